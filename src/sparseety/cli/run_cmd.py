@@ -1,0 +1,1 @@
+"""``sparseety run`` (placeholder until the engine lands)."""

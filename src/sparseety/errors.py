@@ -1,0 +1,31 @@
+"""One exception hierarchy: every user-facing failure is a :class:`SparseetyError`."""
+
+from __future__ import annotations
+
+
+class SparseetyError(Exception):
+    """Base class of every error SparSEEty raises on purpose; the CLI prints it as ``error: ...``."""
+
+
+class ConfigError(SparseetyError, ValueError):
+    """A configuration value is invalid (unknown name, out-of-range number, unknown key)."""
+
+
+class ShapeError(SparseetyError, ValueError):
+    """A tensor has the wrong rank or shape; the message names the offending shapes."""
+
+
+class AlignmentError(ShapeError):
+    """A signal's token axis does not line up with the token ids."""
+
+
+class RecordError(SparseetyError, ValueError):
+    """An offline record is malformed: bad JSON, missing or mistyped keys, unsafe paths or files."""
+
+
+class ModelLoadError(SparseetyError):
+    """A model name or path cannot be resolved or loaded."""
+
+
+class InputError(SparseetyError, ValueError):
+    """A prompt or other request input is unusable (empty, too long for the model)."""
