@@ -1,0 +1,215 @@
+"""The per-run context: which rows the hook point must compute, and what happens after each layer's attention.
+
+State lives here, never on modules. The context is made active for the duration of one generation
+(a ``ContextVar``), so the registered attention function finds it without any global patching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+from sparseety.engine.cache import SparseCache
+from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, EventLog
+from sparseety.policies.base import Observation, Policy, Signal, protect, select_keep
+
+_ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
+
+
+def active_context() -> RunContext | None:
+    """The run context of the generation in progress on this thread, if any."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def activate(ctx: RunContext) -> Iterator[RunContext]:
+    """Make ``ctx`` the active run context inside the ``with`` block."""
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)
+
+
+@dataclass
+class LayerSignals:
+    """Attention information one layer computed this step (batch first, query heads second)."""
+
+    last_row: torch.Tensor | None = None  #: ``[b, heads, n]`` probabilities of the newest query
+    window: torch.Tensor | None = None  #: ``[b, heads, w, n]`` probabilities of the last ``w`` queries
+    colsum: torch.Tensor | None = None  #: ``[b, heads, n]`` attention received, summed over queries
+    attended: torch.Tensor | None = None  #: ``[b, kv_heads, k]`` slots a top-k step attended to
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the hook point computes for one layer in one step."""
+
+    last_row: bool
+    window_rows: int
+    colsum: bool
+    fuse_colsum: bool
+    topk: int | None
+
+
+def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Average ``[b, heads, ...]`` over the query heads of each KV group -> ``[b, kv_heads, ...]``."""
+    b, h = x.shape[:2]
+    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:]).mean(dim=2)
+
+
+@dataclass
+class RunContext:
+    """Everything one traced generation needs and records.
+
+    Parameters
+    ----------
+    policy : the KV policy.
+    cache : the run's :class:`SparseCache`.
+    num_layers, kv_heads : model geometry.
+    tier : 0 nothing, 1 counts and timings, 2 tokens/events/importance, 3 per-step vectors.
+    input_len : tokens fed before generation starts (prompt, or context plus question).
+    compress_once : evict only in the first forward (the long-document protocol: the context is
+        compressed, the question and answer never are).
+    seed : run seed for seeded policies.
+    """
+
+    policy: Policy
+    cache: SparseCache
+    num_layers: int
+    kv_heads: int
+    tier: int
+    input_len: int
+    compress_once: bool = False
+    seed: int = 0
+    on_prefill_layer: Callable[[int, int], None] | None = None
+
+    forward_index: int = -1
+    step: int = 0
+    q_len: int = 0
+    prompt_forward: bool = True
+    evicting: bool = False
+    evictions: EventLog = field(default_factory=lambda: EventLog(EVICTED))
+    attended: EventLog = field(default_factory=lambda: EventLog(ATTENDED))  #: top-k sets (tier 2)
+    skips: EventLog = field(default_factory=lambda: EventLog(SKIPPED))  #: their complements (tier 3)
+    skipped_count: int = 0
+    draft_tokens: int = 0
+    peak_bytes: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_forwards: int = 0
+    importance: torch.Tensor | None = None  #: ``[layers, positions]`` attention received while generating
+    step_vectors: list[torch.Tensor] = field(default_factory=list)  #: tier 3: ``[layers, seen]`` float16 each
+    _t0: float = 0.0
+
+    # -- forward lifecycle (called by model hooks) -------------------------------------------------
+    def begin_forward(self, q_len: int) -> None:
+        """Called before every model forward with the number of new tokens."""
+        self.forward_index += 1
+        seen = self.cache.layers[0].seen
+        self.q_len = q_len
+        self.prompt_forward = seen < self.input_len
+        self.step = max(0, seen + 1 - self.input_len)
+        self.evicting = self.policy.evicts and not (self.compress_once and self.forward_index > 0)
+        if not self.prompt_forward and q_len > 1:
+            self.draft_tokens += q_len - 1
+        if self.tier >= 3:
+            self.step_vectors.append(torch.zeros(self.num_layers, seen + q_len, dtype=torch.float16))
+        self._t0 = time.perf_counter()
+
+    def end_forward(self) -> None:
+        """Called after every model forward."""
+        elapsed = time.perf_counter() - self._t0
+        if self.prompt_forward:
+            self.prefill_s += elapsed
+        else:
+            self.decode_s += elapsed
+            self.decode_forwards += 1
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+
+    # -- per layer (called by the hook point) ---------------------------------------------------------
+    def plan(self, layer: int, q: int, n: int) -> LayerPlan:
+        """Decide which attention rows layer ``layer`` must compute for ``q`` new queries over ``n`` slots."""
+        policy = self.policy
+        signal = Signal.NONE
+        if self.evicting:
+            signal = policy.prefill_signal if self.prompt_forward else policy.decode_signal
+        budget = policy.layer_budget(layer, self.num_layers)
+        will_evict = self.evicting and budget is not None and n > budget
+        colsum = signal is Signal.COLSUM
+        return LayerPlan(
+            last_row=signal is Signal.LAST_ROW or self.tier >= 2,
+            window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
+            colsum=colsum,
+            fuse_colsum=colsum and will_evict,
+            topk=policy.budget if policy.attends_topk and not self.prompt_forward else None,
+        )
+
+    def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
+        """Record what layer ``layer`` attended to, then let the policy score and evict."""
+        if self.prompt_forward and self.on_prefill_layer is not None:
+            self.on_prefill_layer(layer, self.num_layers)
+        cache_layer = self.cache.layers[layer]
+        positions = cache_layer.positions
+        assert positions is not None
+        if seen.last_row is not None and self.tier >= 2:
+            self._record_importance(layer, positions, seen.last_row)
+        if seen.attended is not None and self.tier >= 1:
+            self._record_skips(layer, positions, seen.attended)
+        if not self.evicting:
+            return
+        signal = seen.colsum if seen.colsum is not None else None
+        if seen.window is not None:
+            signal = seen.window
+        elif signal is None:
+            signal = seen.last_row
+        obs = Observation(
+            layer=layer, num_layers=self.num_layers, step=self.step, prefill=self.prompt_forward,
+            positions=positions, keys=key,
+            attention=None if signal is None else group_mean(signal, self.kv_heads),
+            state=cache_layer.state, seed=self.seed,
+        )
+        scores, state = self.policy.score(obs)
+        cache_layer.state = state
+        budget = self.policy.layer_budget(layer, self.num_layers)
+        n = positions.shape[-1]
+        if budget is None or n <= budget:
+            return
+        if not self.prompt_forward and self.q_len > 1:  # speculative drafts stay until verified
+            scores = protect(scores, positions >= cache_layer.seen - self.q_len)
+        keep = select_keep(scores, budget)
+        evicted_slots, evicted_positions = cache_layer.compact(keep)
+        if self.tier >= 1:
+            self.evictions.add(self.step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+
+    def _record_importance(self, layer: int, positions: torch.Tensor, last_row: torch.Tensor) -> None:
+        per_slot = group_mean(last_row, self.kv_heads)[0].float()  # [kv_heads, n]
+        seen = self.cache.layers[layer].seen
+        if self.importance is None or self.importance.shape[1] < seen:
+            grown = torch.zeros(self.num_layers, max(seen, 2 * (0 if self.importance is None else self.importance.shape[1])))
+            if self.importance is not None:
+                grown[:, : self.importance.shape[1]] = self.importance
+            self.importance = grown
+        vector = torch.zeros(seen, dtype=torch.float32)
+        vector.scatter_add_(0, positions[0].reshape(-1).cpu(), per_slot.reshape(-1).cpu())
+        vector /= self.kv_heads
+        self.importance[layer, :seen] += vector
+        if self.tier >= 3:
+            self.step_vectors[-1][layer, :seen] = vector.to(torch.float16)
+
+    def _record_skips(self, layer: int, positions: torch.Tensor, attended: torch.Tensor) -> None:
+        n = positions.shape[-1]
+        skipped = torch.ones_like(positions[0], dtype=torch.bool)
+        skipped.scatter_(-1, attended[0], False)
+        count = n - attended.shape[-1]
+        self.skipped_count += count * positions.shape[1]
+        if self.tier >= 2:
+            self.attended.add(self.step, layer, positions[0].gather(-1, attended[0]), None)
+        if self.tier >= 3:
+            skipped_positions = positions[0][skipped].reshape(positions.shape[1], count)
+            self.skips.add(self.step, layer, skipped_positions, None)

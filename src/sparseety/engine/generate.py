@@ -1,0 +1,200 @@
+"""``SparseEngine``: greedy generation through the hook point, with a policy, a ``SparseCache`` and probes.
+
+The engine wraps one model: it switches that model (and only it) to the registered attention
+function, and for each call builds a fresh :class:`RunContext`. Generation itself is plain
+``model.generate(do_sample=False)``, so with the ``dense`` policy the tokens are exactly those of
+plain generation; everything SparSEEty adds happens beside the computation.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from sparseety.engine.attention import ATTENTION_NAME
+from sparseety.engine.cache import SparseCache
+from sparseety.engine.context import RunContext, activate
+from sparseety.engine.importance import important_tokens
+from sparseety.engine.inputs import EncodedInput
+from sparseety.engine.probe import ModuleProbes
+from sparseety.engine.provenance import provenance
+from sparseety.engine.result import RunResult
+from sparseety.errors import InputError
+from sparseety.policies.base import Policy
+
+
+class SparseEngine:
+    """Runs traced sparse generation on one model.
+
+    Parameters
+    ----------
+    model : a causal LM from transformers (decoder with ``AttentionInterface`` support).
+    tokenizer : its tokenizer.
+    model_name : name recorded in traces.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, model_name: str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name or getattr(model.config, "_name_or_path", "model")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    def decode(self, token_id: int) -> str:
+        """Text of one token id."""
+        return self.tokenizer.decode([token_id])
+
+    def generate(
+        self,
+        encoded: EncodedInput,
+        policy: Policy,
+        *,
+        max_new_tokens: int = 64,
+        tier: int = 2,
+        top_k: int = 16,
+        speculative: int | None = None,
+        seed: int = 0,
+        request_id: str | None = None,
+        on_prefill_layer: Callable[[int, int], None] | None = None,
+    ) -> RunResult:
+        """Generate greedily and record the token lifecycle.
+
+        Parameters
+        ----------
+        encoded : token ids; ``compress_len`` set selects the long-document protocol.
+        policy : KV policy with its budget resolved.
+        max_new_tokens : generation length limit.
+        tier : 0 nothing, 1 counts and timings, 2 tokens, events and importance, 3 per-step vectors.
+        top_k : important tokens per layer (tier >= 2).
+        speculative : draft this many tokens per step by prompt lookup (no second model).
+        seed : seed for seeded policies.
+        on_prefill_layer : called with ``(layer, num_layers)`` as prefill passes each layer.
+        """
+        if tier not in (0, 1, 2, 3):
+            raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
+        if max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if speculative is not None and speculative <= 0:
+            raise InputError(f"speculative must be a positive number of draft tokens, got {speculative}")
+        input_ids = encoded.input_ids
+        if self.max_positions and encoded.input_len + max_new_tokens > self.max_positions:
+            raise InputError(
+                f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                f"the model's context of {self.max_positions} tokens"
+            )
+        torch.manual_seed(seed)
+        cache = SparseCache(self.num_layers)
+        ctx = RunContext(
+            policy=policy, cache=cache, num_layers=self.num_layers, kv_heads=self.kv_heads, tier=tier,
+            input_len=encoded.input_len, compress_once=encoded.compress_len is not None, seed=seed,
+            on_prefill_layer=on_prefill_layer,
+        )
+        probes = ModuleProbes().attach(self.model) if tier >= 2 else None
+        hooks = [
+            self.model.register_forward_pre_hook(_begin(ctx), with_kwargs=True),
+            self.model.register_forward_hook(lambda *_: ctx.end_forward()),
+        ]
+        try:
+            with activate(ctx), torch.inference_mode():
+                if encoded.compress_len is not None:
+                    ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
+                    self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=cache, use_cache=True)
+                    ctx.input_len = encoded.input_len
+                kwargs: dict[str, Any] = {}
+                if speculative:
+                    kwargs["prompt_lookup_num_tokens"] = speculative
+                sequences = self.model.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    past_key_values=cache,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                    **kwargs,
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if probes is not None:
+                probes.detach()
+        return self._result(ctx, encoded, sequences, policy, tier, top_k, probes, request_id)
+
+    def _result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
+                tier: int, top_k: int, probes: ModuleProbes | None, request_id: str | None) -> RunResult:
+        prompt_ids = encoded.input_ids[0].tolist()
+        output_ids = sequences[0, encoded.input_len:].tolist()
+        token_ids = np.asarray(prompt_ids + output_ids, dtype=np.int64)
+        cache = ctx.cache
+        seen = cache.layers[0].seen
+        element = cache.layers[0].keys.element_size() if cache.layers[0].keys is not None else 4
+        arrays: dict[str, np.ndarray] = {}
+        kept: dict[str, dict[str, list[int]]] | None = None
+        records = []
+        if tier >= 1:
+            for name, log in (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips)):
+                if len(log):
+                    arrays.update({f"{name}.{k}": v for k, v in log.to_arrays(token_ids).items()})
+        if tier >= 2:
+            kept = {
+                str(layer): {str(h): row.tolist() for h, row in enumerate(positions[0])}
+                for layer, positions in enumerate(cache.kept_positions())
+            }
+            if ctx.importance is not None:
+                importance = ctx.importance[:, :seen]
+                arrays["importance"] = importance.numpy().astype(np.float16)
+                records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode)
+            if probes is not None:
+                for layer, probs in probes.routers().items():
+                    arrays[f"router.{layer}"] = probs.astype(np.float16)
+                maxabs, zero_frac = probes.activations()
+                if maxabs:
+                    arrays["activation.maxabs"] = np.stack(list(maxabs.values())).astype(np.float16)
+                    arrays["activation.zero_frac"] = np.stack(list(zero_frac.values())).astype(np.float16)
+        if tier >= 3 and ctx.step_vectors:
+            width = max(v.shape[1] for v in ctx.step_vectors)
+            stacked = np.full((len(ctx.step_vectors), self.num_layers, width), np.nan, dtype=np.float16)
+            for i, v in enumerate(ctx.step_vectors):
+                stacked[i, :, : v.shape[1]] = v.numpy()
+            arrays["step_importance"] = stacked
+        return RunResult(
+            request_id=request_id or uuid.uuid4().hex,
+            model=self.model_name,
+            text=self.tokenizer.decode(output_ids, skip_special_tokens=True),
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            policy=policy.name,
+            params=policy.params(),
+            budget=policy.budget,
+            tier=tier,
+            evicted_positions=ctx.evictions.distinct_positions() if tier >= 1 else None,
+            eviction_events=len(ctx.evictions) if tier >= 1 else None,
+            skipped_events=ctx.skipped_count if tier >= 1 else None,
+            kept_positions_final=kept,
+            kv_cache_bytes_peak=ctx.peak_bytes,
+            kv_cache_bytes_dense=2 * seen * self.num_layers * self.kv_heads * self.head_dim * element,
+            draft_tokens=ctx.draft_tokens,
+            draft_rejected=cache.cropped_tokens,
+            prefill_s=ctx.prefill_s,
+            decode_s=ctx.decode_s,
+            important_tokens=records,
+            provenance=provenance(self.model, self.model_name, policy, tier, top_k),
+            arrays=arrays,
+        )
+
+
+def _begin(ctx: RunContext) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs["inputs_embeds"]
+        ctx.begin_forward(int(ids.shape[1]))
+    return hook

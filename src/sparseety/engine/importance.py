@@ -1,0 +1,36 @@
+"""Ranked important tokens of a run, through the extractor (one ranking per layer, plus one over all layers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from sparseety.config import ExtractionConfig
+from sparseety.extract import extract
+from sparseety.schema import TokenRecord
+
+
+def important_tokens(token_ids: np.ndarray, importance: torch.Tensor, prompt_len: int, top_k: int,
+                     decode: Callable[[int], str] | None) -> list[TokenRecord]:
+    """Rank the tokens the model attended to while generating.
+
+    Parameters
+    ----------
+    token_ids : ``[seen]`` ids of the positions the cache saw.
+    importance : ``[layers, seen]`` attention each position received from the queries that produced
+        the output tokens, summed over those steps and averaged over heads.
+    prompt_len : tokens before the first generated one.
+    top_k : records per ranking.
+
+    Returns
+    -------
+    The ranking over all layers (``layer`` None) first, then one ranking per layer.
+    """
+    config = ExtractionConfig(score_type="attention", layout="qk", top_k=top_k, min_score=0.0, normalize="max")
+    ids = torch.as_tensor(token_ids)
+    records = extract(ids, importance.sum(dim=0, keepdim=True), config, decode, prompt_len=prompt_len)
+    for layer in range(importance.shape[0]):
+        records += extract(ids, importance[layer : layer + 1], config, decode, prompt_len=prompt_len, layer=layer)
+    return records

@@ -1,0 +1,38 @@
+"""Provenance carried by every trace (DESIGN principle 5)."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+import transformers
+
+from sparseety import __version__
+from sparseety.policies.base import Policy
+from sparseety.schema import SCHEMA_VERSION
+
+
+def provenance(model: torch.nn.Module, model_name: str, policy: Policy, tier: int, top_k: int,
+               sample_rate: float = 1.0) -> dict[str, Any]:
+    """Schema version, model id and revision, library versions, policy, extraction config, tier, sampling."""
+    config = model.config
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "sparseety_version": __version__,
+        "model": model_name,
+        "model_source": getattr(config, "_name_or_path", None),
+        "model_revision": getattr(config, "_commit_hash", None),
+        "model_type": getattr(config, "model_type", None),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "policy": policy.name,
+        "policy_params": policy.params(),
+        "budget": policy.budget,
+        "extraction": {"score_type": "attention", "signal": "attention received while generating",
+                       "top_k": top_k, "normalize": "max", "min_score": 0.0},
+        "tier": tier,
+        "sample_rate": sample_rate,
+    }

@@ -1,0 +1,142 @@
+"""The policy contract: a small, pure scorer plus one shared, deterministic selection rule.
+
+A policy sees one layer at a time through an :class:`Observation` and returns a score per cache
+slot (higher means keep). Slots are always stored in ascending position order, so a stable
+descending sort keeps the lower position among equal scores. Protected slots (attention sinks,
+recent windows) get ``+inf`` and are never evicted while the budget allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from sparseety.errors import ConfigError
+
+
+class Signal(enum.Enum):
+    """Which attention probabilities a policy needs from the hook point.
+
+    NONE: nothing. LAST_ROW: the last query row, ``[b, heads, n]``. WINDOW: the last ``window`` query
+    rows, ``[b, heads, w, n]``. COLSUM: the attention every key receives, summed over all query rows
+    (block by block, never a full ``[heads, q, n]`` matrix), ``[b, heads, n]``.
+    """
+
+    NONE = "none"
+    LAST_ROW = "last_row"
+    WINDOW = "window"
+    COLSUM = "colsum"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a policy may look at for one layer after one forward step.
+
+    Attributes
+    ----------
+    layer : layer index.
+    num_layers : number of layers in the model.
+    step : output tokens already produced (0 during prefill).
+    prefill : True for the forward that processed the prompt.
+    positions : ``[b, kv_heads, n]`` original token position of every slot, ascending.
+    keys : ``[b, kv_heads, n, d]`` cached keys (RoPE applied).
+    attention : probabilities as requested by the policy's signal, already averaged over the query
+        heads of each KV group: ``[b, kv_heads, n]`` (LAST_ROW, COLSUM) or ``[b, kv_heads, w, n]``
+        (WINDOW); None for NONE.
+    state : ``[b, kv_heads, n]`` the per-slot accumulator this policy returned last time (compacted
+        with the cache; new slots hold 0), or None before the first call.
+    seed : run seed, for policies that draw random numbers.
+    """
+
+    layer: int
+    num_layers: int
+    step: int
+    prefill: bool
+    positions: torch.Tensor
+    keys: torch.Tensor
+    attention: torch.Tensor | None
+    state: torch.Tensor | None
+    seed: int
+
+
+@dataclass
+class Policy:
+    """Base class for a KV policy. Subclasses are dataclasses whose fields are the policy's options."""
+
+    name: ClassVar[str] = "base"
+    summary: ClassVar[str] = ""
+    prefill_signal: ClassVar[Signal] = Signal.NONE
+    decode_signal: ClassVar[Signal] = Signal.NONE
+    #: False for policies that never delete keys (``dense``, ``topk_attention``).
+    evicts: ClassVar[bool] = True
+    #: True when decode steps attend only to the top-``budget`` keys (nothing deleted).
+    attends_topk: ClassVar[bool] = False
+
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
+            raise ConfigError(f"budget must be a positive integer, got {self.budget!r}")
+
+    # -- options -----------------------------------------------------------------------------
+    def params(self) -> dict[str, Any]:
+        """The policy's options (without the budget), for provenance."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "budget"}
+
+    def window_rows(self) -> int:
+        """Query rows needed for :attr:`Signal.WINDOW`."""
+        return 0
+
+    def layer_budget(self, layer: int, num_layers: int) -> int | None:
+        """Slots this layer may hold per KV head (None: unbounded)."""
+        return self.budget
+
+    # -- scoring -----------------------------------------------------------------------------
+    def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score every slot of one layer.
+
+        Returns
+        -------
+        scores : ``[b, kv_heads, n]`` float, higher is kept; ``+inf`` marks protected slots.
+        state : ``[b, kv_heads, n]`` accumulator to hand back next step, or None.
+        """
+        raise NotImplementedError
+
+
+def recent_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``[b, kv_heads, n]`` bool: the slots among the ``window`` most recent positions of each head."""
+    if window <= 0:
+        return torch.zeros_like(positions, dtype=torch.bool)
+    newest = positions.amax(dim=-1, keepdim=True)
+    return positions > newest - window
+
+
+def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Return ``scores`` with the slots in ``mask`` set to ``+inf``."""
+    return scores.masked_fill(mask, float("inf"))
+
+
+def select_keep(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Indices of the ``budget`` best slots per head, ascending (so position order is preserved).
+
+    Parameters
+    ----------
+    scores : ``[b, kv_heads, n]``; slots are in ascending position order, so ties go to the lower position.
+    budget : slots to keep, ``<= n``.
+
+    Returns
+    -------
+    ``[b, kv_heads, budget]`` long slot indices, sorted ascending.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :budget].sort(dim=-1).values
+
+
+def check_positive_int(policy: str, field: str, value: Any, minimum: int = 1) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int ``>= minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{policy}: {field} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,40 @@
+"""``h2o``: Heavy-Hitter Oracle (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparseety.errors import ConfigError
+from sparseety.policies.base import Observation, Policy, Signal, protect, recent_mask
+
+
+@dataclass
+class H2OPolicy(Policy):
+    """Keep the heavy hitters by accumulated attention plus a recent window; evicts while decoding.
+
+    The accumulated score of a slot is the attention it received from every query so far: the
+    column sums of the prefill attention (computed block by block), then each decode step's row,
+    averaged over the query heads of the KV group. The newest ``int(budget * recent_ratio)``
+    positions are always kept.
+    """
+
+    name: ClassVar[str] = "h2o"
+    summary: ClassVar[str] = "heavy hitters by accumulated attention + recent window"
+    prefill_signal: ClassVar[Signal] = Signal.COLSUM
+    decode_signal: ClassVar[Signal] = Signal.LAST_ROW
+
+    recent_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.recent_ratio, (int, float)) or not 0.0 <= self.recent_ratio < 1.0:
+            raise ConfigError(f"h2o: recent_ratio must be in [0, 1), got {self.recent_ratio!r}")
+
+    def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert obs.attention is not None
+        state = obs.attention if obs.state is None else obs.state + obs.attention
+        window = int((self.budget or 0) * self.recent_ratio)
+        return protect(state, recent_mask(obs.positions, window)), state

@@ -1,0 +1,98 @@
+"""The policy registry: ``list_policies()``, ``get_policy_class()`` and ``build_policy()``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sparseety.errors import ConfigError
+from sparseety.policies.base import Policy
+from sparseety.policies.dense import DensePolicy
+from sparseety.policies.h2o import H2OPolicy
+from sparseety.policies.knorm import KnormPolicy
+from sparseety.policies.pyramid import PyramidPolicy
+from sparseety.policies.random_baseline import RandomPolicy
+from sparseety.policies.snapkv import SnapKVPolicy
+from sparseety.policies.streaming import StreamingPolicy
+from sparseety.policies.topk_attention import TopKAttentionPolicy
+from sparseety.policies.tova import TOVAPolicy
+
+_POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        DensePolicy, StreamingPolicy, H2OPolicy, SnapKVPolicy, TOVAPolicy, KnormPolicy,
+        RandomPolicy, PyramidPolicy, TopKAttentionPolicy,
+    )
+}
+
+
+def list_policies() -> list[type[Policy]]:
+    """Every registered policy class, in a stable order."""
+    return list(_POLICIES.values())
+
+
+def get_policy_class(name: str) -> type[Policy]:
+    """Look a policy up by name; unknown names raise :class:`ConfigError` listing the valid ones."""
+    try:
+        return _POLICIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown policy {name!r}; valid policies: {', '.join(_POLICIES)}") from None
+
+
+def policy_options(cls: type[Policy]) -> dict[str, Any]:
+    """The option names of a policy (without ``budget``) and their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name != "budget"}
+
+
+def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    kind = type(default)
+    try:
+        if kind is bool:
+            if raw.lower() not in {"true", "false", "1", "0"}:
+                raise ValueError(raw)
+            return raw.lower() in {"true", "1"}
+        return kind(raw) if default is not None else raw
+    except ValueError:
+        raise ConfigError(f"{policy}: option {key}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def parse_policy_opts(items: list[str]) -> dict[str, str]:
+    """Parse repeated ``key=value`` strings."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--policy-opt expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def resolve_budget(budget: int | None, ratio: float | None, context_len: int) -> int | None:
+    """Turn ``--budget`` or ``--ratio`` (fraction removed, kvpress's ``compression_ratio``) into slots per head."""
+    if budget is not None and ratio is not None:
+        raise ConfigError("give either --budget or --ratio, not both")
+    if ratio is not None:
+        if not 0.0 <= ratio < 1.0:
+            raise ConfigError(f"ratio must be in [0, 1), got {ratio}")
+        return max(1, int(context_len * (1 - ratio)))
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"budget must be a positive integer, got {budget}")
+    return budget
+
+
+def build_policy(name: str, budget: int | None = None, options: dict[str, Any] | None = None) -> Policy:
+    """Instantiate a policy with a budget and options (strings are converted to the option's type)."""
+    cls = get_policy_class(name)
+    known = policy_options(cls)
+    kwargs: dict[str, Any] = {}
+    for key, raw in (options or {}).items():
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise ConfigError(f"{name}: unknown option {key!r}; valid options: {valid}")
+        kwargs[key] = _coerce(name, key, raw, known[key])
+    if cls.evicts or cls.attends_topk:
+        if budget is None:
+            raise ConfigError(f"policy {name!r} needs --budget N or --ratio R")
+    return cls(budget=budget, **kwargs)
