@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from sparseety.cli.app import app, main
-from sparseety.cli import extract_cmd, models_cmd, run_cmd  # noqa: F401  (registers the commands)
+from sparseety.cli import extract_cmd, models_cmd, policies_cmd, run_cmd  # noqa: F401  (registers the commands)
 
 __all__ = ["app", "main"]
