@@ -1,0 +1,104 @@
+"""``topk_attention``: decode steps attend only to the top-k keys; nothing is deleted; skipped keys are counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparseety.engine.attention import topk_decode_attention
+from sparseety.policies import build_policy
+from tiny_models import KV_HEADS, prompt_ids, run
+
+PROMPT, NEW, K = 20, 10, 24
+
+
+def last_logits(engine, ids, policy, new, **kwargs):
+    """Run and capture the last-position logits of every forward."""
+    captured: list[torch.Tensor] = []
+    handle = engine.model.lm_head.register_forward_hook(lambda m, a, out: captured.append(out[0, -1].clone()))
+    try:
+        result = run(engine, ids, policy, new, **kwargs)
+    finally:
+        handle.remove()
+    return result, captured
+
+
+def test_outputs_differ_from_dense_only_once_context_exceeds_k(engine_for):
+    engine, ids = engine_for("llama"), prompt_ids(PROMPT)
+    dense, dense_logits = last_logits(engine, ids, build_policy("dense"), NEW, tier=2)
+    topk, topk_logits = last_logits(engine, ids, build_policy("topk_attention", K), NEW, tier=2)
+    assert len(dense_logits) == len(topk_logits) == NEW
+    for forward in range(NEW):
+        n = PROMPT + forward  # keys visible to the query of this forward
+        if n <= K:
+            assert torch.equal(topk_logits[forward], dense_logits[forward]), f"forward {forward}, n={n} <= k"
+        else:
+            assert not torch.allclose(topk_logits[forward], dense_logits[forward]), f"forward {forward}, n={n} > k"
+            break
+    first_sparse = K - PROMPT + 1
+    assert topk.output_ids[:first_sparse] == dense.output_ids[:first_sparse]
+
+
+def test_skipped_counts_per_layer_per_decode_step(engine_for):
+    engine, ids = engine_for("llama"), prompt_ids(PROMPT)
+    k = 12
+    result = run(engine, ids, build_policy("topk_attention", k), NEW, tier=3)
+    a = result.arrays
+    expected_total = 0
+    for step in range(1, NEW):  # decode steps; the prefill is dense
+        n = PROMPT + step
+        expected_total += (n - k) * KV_HEADS * engine.num_layers
+        for layer in range(engine.num_layers):
+            for head in range(KV_HEADS):
+                sel = lambda kind: (a[f"{kind}.step"] == step) & (a[f"{kind}.layer"] == layer) & (a[f"{kind}.kv_head"] == head)  # noqa: E731
+                skipped = a["skipped.position"][sel("skipped")]
+                attended = a["attended.position"][sel("attended")]
+                assert skipped.size == n - k and attended.size == k
+                assert sorted(skipped.tolist() + attended.tolist()) == list(range(n))
+    assert result.skipped_events == expected_total
+    assert not (a["skipped.step"] == 0).any() and not (a["attended.step"] == 0).any()
+    assert result.eviction_events == 0
+    for heads in result.kept_positions_final.values():  # nothing deleted
+        assert all(kept == list(range(PROMPT + NEW - 1)) for kept in heads.values())
+
+
+def test_skipped_count_is_recorded_at_tier_1(engine_for):
+    engine = engine_for("qwen2")
+    result = run(engine, prompt_ids(PROMPT), build_policy("topk_attention", 12), NEW, tier=1)
+    assert result.skipped_events == sum((PROMPT + s - 12) for s in range(1, NEW)) * KV_HEADS * engine.num_layers
+
+
+def test_topk_decode_attention_matches_masked_attention():
+    torch.manual_seed(0)
+    b, heads, kvh, n, d, k = 1, 4, 2, 9, 8, 4
+    query = torch.randn(b, heads, 1, d)
+    key = torch.randn(b, kvh, n, d)
+    value = torch.randn(b, kvh, n, d)
+    scale = d ** -0.5
+    out, attended, probs = topk_decode_attention(query, key, value, scale, k)
+    logits = torch.einsum("bkgd,bknd->bkgn", query.reshape(b, kvh, heads // kvh, d), key) * scale
+    top = logits.sum(dim=2).topk(k, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(attended, top)
+    mask = torch.full_like(logits, float("-inf")).scatter(-1, top[:, :, None, :].expand(b, kvh, heads // kvh, k), 0.0)
+    expected_probs = torch.softmax(logits + mask, dim=-1)
+    expected = torch.einsum("bkgn,bknd->bkgd", expected_probs, value).reshape(b, heads, d)
+    assert torch.allclose(out[:, 0], expected, atol=1e-5)
+    assert torch.allclose(probs, expected_probs.reshape(b, heads, n), atol=1e-6)
+    assert torch.allclose(probs.sum(-1), torch.ones(b, heads))
+
+
+def test_topk_decode_attention_ties_go_to_lower_slot():
+    query = torch.ones(1, 2, 1, 4)
+    key = torch.ones(1, 1, 6, 4)  # every key scores the same
+    _, attended, _ = topk_decode_attention(query, key, torch.randn(1, 1, 6, 4), 0.5, 3)
+    assert attended.tolist() == [[[0, 1, 2]]]
+
+
+@pytest.mark.parametrize("k", [PROMPT + NEW - 1, PROMPT + NEW + 5])
+def test_k_covering_the_context_equals_dense(k, engine_for, greedy_reference):
+    ids = prompt_ids(PROMPT)
+    result = run(engine_for("mixtral"), ids, build_policy("topk_attention", k), NEW, tier=3)
+    assert result.output_ids == greedy_reference("mixtral", ids, NEW)
+    assert result.skipped_events == 0 and "skipped.position" not in result.arrays
+    assert np.isfinite(result.arrays["importance"]).all()
