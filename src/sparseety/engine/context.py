@@ -92,6 +92,7 @@ class RunContext:
     forward_index: int = -1
     step: int = 0
     q_len: int = 0
+    drafts_in_forward: int = 0
     prompt_forward: bool = True
     evicting: bool = False
     evictions: EventLog = field(default_factory=lambda: EventLog(EVICTED))
@@ -116,8 +117,9 @@ class RunContext:
         self.prompt_forward = seen < self.input_len
         self.step = max(0, seen + 1 - self.input_len)
         self.evicting = self.policy.evicts and not (self.compress_once and self.forward_index > 0)
-        if not self.prompt_forward and q_len > 1:
-            self.draft_tokens += q_len - 1
+        # Tokens fed beyond the one(s) this forward must process are speculative drafts.
+        self.drafts_in_forward = max(0, q_len - max(1, self.input_len - seen))
+        self.draft_tokens += self.drafts_in_forward
         if self.tier >= 3:
             self.step_vectors.append(torch.zeros(self.num_layers, seen + q_len, dtype=torch.float16))
         self._t0 = time.perf_counter()
@@ -180,8 +182,8 @@ class RunContext:
         n = positions.shape[-1]
         if budget is None or n <= budget:
             return
-        if not self.prompt_forward and self.q_len > 1:  # speculative drafts stay until verified
-            scores = protect(scores, positions >= cache_layer.seen - self.q_len)
+        if self.drafts_in_forward:  # speculative drafts stay until verified (or cropped)
+            scores = protect(scores, positions >= cache_layer.seen - self.drafts_in_forward)
         keep = select_keep(scores, budget)
         evicted_slots, evicted_positions = cache_layer.compact(keep)
         if self.tier >= 1:

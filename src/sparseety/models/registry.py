@@ -102,6 +102,10 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep stdout/stderr clean for the CLI and --json
+    hf_logging.set_verbosity_error()
     source = resolve_model_dir(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -109,7 +113,6 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}") from exc
     model.to(device).eval()
-    model.sparseety_name = name_or_path  # provenance only; never read by the forward pass
     return model, tokenizer
 
 

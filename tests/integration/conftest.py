@@ -1,0 +1,22 @@
+"""The real default model, loaded once per test session (converted from GGUF on first use)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparseety.models import load_model
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """``(model, tokenizer)`` of the default model, never wrapped by an engine (a plain reference)."""
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm_engine():
+    """A :class:`SparseEngine` on its own copy of the default model."""
+    from sparseety.engine import SparseEngine
+
+    model, tokenizer = load_model("smollm2-135m")
+    return SparseEngine(model, tokenizer, "smollm2-135m")
