@@ -3,7 +3,7 @@
 ``sparseety_attention`` is routed to by every layer of a wrapped model (``AttentionInterface`` plus
 ``model.set_attn_implementation``). With no active run it is plain SDPA. Inside a run it computes the
 output with SDPA and, only for the rows a policy or probe needs, attention probabilities: the last
-row while decoding, the observation window, or per-key column sums computed block by block (never
+row while decoding, the observation window, or per-key column sums computed block by block (optionally on a row sample) (never
 a full ``[heads, q, n]`` matrix). It then hands them to the run context, which scores, evicts and
 records. Because transformers builds no mask for this name, causality is applied here: for ``q``
 new rows over ``n`` keys, row ``i`` sees slots ``0 .. n - q + i`` (new keys are always the last slots).
@@ -68,35 +68,38 @@ def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float) -> to
     return torch.softmax(logits, dim=-1).reshape(b, h, r, n)
 
 
-def attention_with_colsum(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                          block: int = COLSUM_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention output and the attention each key receives, block by block.
+def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int = 1,
+                block: int = COLSUM_BLOCK) -> torch.Tensor:
+    """Attention each key receives, summed over query rows, computed ``block`` rows at a time.
+
+    With ``stride > 1`` only every ``stride``-th row counting back from the last one is computed and
+    the sums are scaled by ``stride`` (an unbiased estimate at ``1/stride`` of the cost); ``stride=1``
+    is exact. Memory stays ``O(block * n)`` per head: the full ``[heads, q, n]`` matrix never exists.
+
+    Parameters
+    ----------
+    query : ``[b, heads, q, d]``; key : ``[b, kv_heads, n, d]``.
 
     Returns
     -------
-    output : ``[b, q, heads, d]``.
-    colsum : ``[b, heads, n]`` float32, the sum over query rows of the probabilities on each key.
+    ``[b, heads, n]`` float32 column sums.
     """
     b, h, q, d = query.shape
     kvh, n = key.shape[1], key.shape[2]
     g = h // kvh
-    offset = n - q
-    kt = key.unsqueeze(2).transpose(-1, -2)  # [b, kvh, 1, d, n]
-    v = value.unsqueeze(2)  # [b, kvh, 1, n, d]
-    qg = _grouped(query, kvh)
-    out = query.new_empty(b, kvh, g, q, d)
-    colsum = torch.zeros(b, kvh, g, n, dtype=torch.float32, device=query.device)
-    for start in range(0, q, block):
-        stop = min(q, start + block)
-        visible = offset + stop  # keys any row of this block may see
-        logits = torch.matmul(qg[:, :, :, start:stop], kt[..., :visible]) * scaling
-        rows = torch.arange(start, stop, device=query.device).unsqueeze(1)
+    key_t = key.transpose(-1, -2).contiguous()  # [b, kv_heads, d, n]
+    rows = torch.arange(q - 1, -1, -stride, device=query.device).flip(0)
+    colsum = torch.zeros(b, h, n, dtype=torch.float32, device=query.device)
+    for start in range(0, rows.numel(), block):
+        chunk = rows[start : start + block]
+        visible = n - q + int(chunk[-1]) + 1  # keys the last row of the chunk may see
+        r = chunk.numel()
+        grouped = _grouped(query[:, :, chunk] * scaling, kvh).reshape(b, kvh, g * r, d)
+        logits = torch.matmul(grouped, key_t[..., :visible]).reshape(b, kvh, g, r, visible)
         cols = torch.arange(visible, device=query.device).unsqueeze(0)
-        logits.masked_fill_(cols > rows + offset, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        out[:, :, :, start:stop] = torch.matmul(probs, v[:, :, :, :visible])
-        colsum[..., :visible] += probs.sum(dim=-2, dtype=torch.float32)
-    return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), colsum.reshape(b, h, n)
+        logits.masked_fill_(cols > (chunk + (n - q)).unsqueeze(1), float("-inf"))
+        colsum[..., :visible] += torch.softmax(logits, dim=-1).sum(dim=-2).reshape(b, h, visible)
+    return colsum * stride
 
 
 def topk_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -143,14 +146,10 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     seen = LayerSignals()
     if plan.topk is not None and q == 1 and n > plan.topk:
         out, seen.attended, seen.last_row = topk_decode_attention(query, key, value, scaling, plan.topk)
-    elif plan.colsum:
-        if plan.fuse_colsum:  # this prefill evicts anyway: one blockwise pass gives output and colsums
-            out, seen.colsum = attention_with_colsum(query, key, value, scaling)
-        else:  # keep the output bit-exact with plain SDPA
-            out = causal_attention(module, query, key, value, scaling, **kwargs)
-            _, seen.colsum = attention_with_colsum(query, key, value, scaling)
     else:
         out = causal_attention(module, query, key, value, scaling, **kwargs)
+        if plan.colsum_stride:
+            seen.colsum = column_sums(query, key, scaling, plan.colsum_stride)
     rows = min(q, plan.window_rows)
     if rows > 0:
         seen.window = row_probs(query[:, :, q - rows:], key, scaling)

@@ -52,8 +52,7 @@ class LayerPlan:
 
     last_row: bool
     window_rows: int
-    colsum: bool
-    fuse_colsum: bool
+    colsum_stride: int  #: 0: no column sums; k: every k-th query row (1 is exact)
     topk: int | None
 
 
@@ -141,14 +140,10 @@ class RunContext:
         signal = Signal.NONE
         if self.evicting:
             signal = policy.prefill_signal if self.prompt_forward else policy.decode_signal
-        budget = policy.layer_budget(layer, self.num_layers)
-        will_evict = self.evicting and budget is not None and n > budget
-        colsum = signal is Signal.COLSUM
         return LayerPlan(
             last_row=signal is Signal.LAST_ROW or self.tier >= 2,
             window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
-            colsum=colsum,
-            fuse_colsum=colsum and will_evict,
+            colsum_stride=policy.colsum_stride(q) if signal is Signal.COLSUM else 0,
             topk=policy.budget if policy.attends_topk and not self.prompt_forward else None,
         )
 

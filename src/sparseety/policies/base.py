@@ -91,6 +91,10 @@ class Policy:
         """Query rows needed for :attr:`Signal.WINDOW`."""
         return 0
 
+    def colsum_stride(self, q_len: int) -> int:
+        """Row sampling stride for :attr:`Signal.COLSUM` over ``q_len`` query rows (1: every row, exact)."""
+        return 1
+
     def layer_budget(self, layer: int, num_layers: int) -> int | None:
         """Slots this layer may hold per KV head (None: unbounded)."""
         return self.budget

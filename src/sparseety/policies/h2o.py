@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import Observation, Policy, Signal, protect, recent_mask
+from sparseety.policies.base import Observation, Policy, Signal, check_positive_int, protect, recent_mask
 
 
 @dataclass
@@ -19,6 +19,11 @@ class H2OPolicy(Policy):
     column sums of the prefill attention (computed block by block), then each decode step's row,
     averaged over the query heads of the KV group. The newest ``int(budget * recent_ratio)``
     positions are always kept.
+
+    Exact prefill column sums cost two to four flash-attention passes on CPU, so a long prefill
+    estimates them from at most ``prefill_rows`` query rows spread evenly (every ``ceil(q /
+    prefill_rows)``-th row counting back from the last, sums scaled by that stride). Prompts up to
+    ``prefill_rows`` tokens, or ``prefill_rows=0``, get the exact H2O score.
     """
 
     name: ClassVar[str] = "h2o"
@@ -27,11 +32,16 @@ class H2OPolicy(Policy):
     decode_signal: ClassVar[Signal] = Signal.LAST_ROW
 
     recent_ratio: float = 0.5
+    prefill_rows: int = 512
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.recent_ratio, (int, float)) or not 0.0 <= self.recent_ratio < 1.0:
             raise ConfigError(f"h2o: recent_ratio must be in [0, 1), got {self.recent_ratio!r}")
+        check_positive_int(self.name, "prefill_rows", self.prefill_rows, minimum=0)
+
+    def colsum_stride(self, q_len: int) -> int:
+        return 1 if self.prefill_rows == 0 else max(1, -(-q_len // self.prefill_rows))
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert obs.attention is not None
