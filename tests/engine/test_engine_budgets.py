@@ -20,6 +20,7 @@ EVICTING = [
     ("streaming", {}),
     ("streaming", {"sinks": "0"}),
     ("h2o", {}),
+    ("h2o", {"prefill_rows": "8"}),  # prefill column sums from every 5th row
     ("snapkv", {"window": "4"}),
     ("snapkv", {}),  # default window 32 > budget: the protected window is clipped to the budget
     ("tova", {}),
