@@ -86,3 +86,14 @@ def test_speculative_with_a_budget_smaller_than_the_drafts(name, budget, opts, e
         return
     assert len(result.output_ids) == NEW
     _check_budget(result, budget, PROMPT + NEW - 1)
+
+
+@pytest.mark.parametrize("k", [8, 20])
+def test_speculative_topk_attention_is_lossless(k, engine_for):
+    """Greedy verification of drafts must reproduce the non-speculative run of the same sparse attention:
+    every verified query row has to attend to its own top-k keys, as a one-token decode step would."""
+    engine, ids = engine_for("llama"), repetitive_ids(PROMPT)
+    plain = run(engine, ids, build_policy("topk_attention", k), NEW, tier=1)
+    drafted = run(engine, ids, build_policy("topk_attention", k), NEW, tier=1, speculative=3)
+    assert drafted.draft_tokens > 0
+    assert drafted.output_ids == plain.output_ids
