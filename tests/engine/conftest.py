@@ -14,9 +14,17 @@ from transformers import PreTrainedTokenizerFast
 from sparseety.engine import SparseEngine
 from tiny_models import build_model, build_tokenizer
 
-# Tiny models are dominated by per-op overhead; with several threads on a loaded 2-core machine every
-# 64x64 matmul spins for milliseconds (measured: 1.2 s against 0.03 s per 12-token run).
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models are dominated by per-op overhead: with two threads on a loaded 2-core machine every
+    64x64 matmul spins for milliseconds (measured 1.2 s against 0.03 s per 12-token run). Restored after
+    each test so other test folders (the real default model) keep their threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
