@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparseety.engine.attention import topk_decode_attention
+from sparseety.engine.attention import topk_attention
 from sparseety.policies import build_policy
 from tiny_models import KV_HEADS, prompt_ids, run
 
@@ -69,17 +69,18 @@ def test_skipped_count_is_recorded_at_tier_1(engine_for):
     assert result.skipped_events == sum((PROMPT + s - 12) for s in range(1, NEW)) * KV_HEADS * engine.num_layers
 
 
-def test_topk_decode_attention_matches_masked_attention():
+def test_topk_attention_matches_masked_attention():
     torch.manual_seed(0)
     b, heads, kvh, n, d, k = 1, 4, 2, 9, 8, 4
     query = torch.randn(b, heads, 1, d)
     key = torch.randn(b, kvh, n, d)
     value = torch.randn(b, kvh, n, d)
     scale = d ** -0.5
-    out, attended, probs = topk_decode_attention(query, key, value, scale, k)
+    out, attended, skipped, probs = topk_attention(query, key, value, scale, k)
     logits = torch.einsum("bkgd,bknd->bkgn", query.reshape(b, kvh, heads // kvh, d), key) * scale
     top = logits.sum(dim=2).topk(k, dim=-1).indices.sort(dim=-1).values
-    assert torch.equal(attended, top)
+    assert torch.equal(attended.nonzero()[:, -1].reshape(b, kvh, k), top)
+    assert skipped == (n - k) * kvh
     mask = torch.full_like(logits, float("-inf")).scatter(-1, top[:, :, None, :].expand(b, kvh, heads // kvh, k), 0.0)
     expected_probs = torch.softmax(logits + mask, dim=-1)
     expected = torch.einsum("bkgn,bknd->bkgd", expected_probs, value).reshape(b, heads, d)
@@ -88,11 +89,26 @@ def test_topk_decode_attention_matches_masked_attention():
     assert torch.allclose(probs.sum(-1), torch.ones(b, heads))
 
 
-def test_topk_decode_attention_ties_go_to_lower_slot():
+def test_topk_attention_ties_go_to_lower_slot():
     query = torch.ones(1, 2, 1, 4)
     key = torch.ones(1, 1, 6, 4)  # every key scores the same
-    _, attended, _ = topk_decode_attention(query, key, torch.randn(1, 1, 6, 4), 0.5, 3)
-    assert attended.tolist() == [[[0, 1, 2]]]
+    _, attended, _, _ = topk_attention(query, key, torch.randn(1, 1, 6, 4), 0.5, 3)
+    assert attended.tolist() == [[[True, True, True, False, False, False]]]
+
+
+def test_topk_attention_verify_rows_equal_one_row_at_a_time():
+    """A draft-verify step with q rows must give each row what a one-token decode step gives it."""
+    torch.manual_seed(1)
+    heads, kvh, n, d, k, q = 4, 2, 12, 8, 5, 3
+    query, key, value = torch.randn(1, heads, q, d), torch.randn(1, kvh, n, d), torch.randn(1, kvh, n, d)
+    out, _, skipped, _ = topk_attention(query, key, value, 0.3, k)
+    total = 0
+    for row in range(q):
+        visible = n - q + row + 1
+        one, _, row_skipped, _ = topk_attention(query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], 0.3, k)
+        assert torch.allclose(out[:, row], one[:, 0], atol=1e-6)
+        total += row_skipped
+    assert skipped == total
 
 
 @pytest.mark.parametrize("k", [PROMPT + NEW - 1, PROMPT + NEW + 5])

@@ -102,32 +102,33 @@ def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: 
     return colsum * stride
 
 
-def topk_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode step attending only to the ``k`` keys with the largest ``q·k`` per KV head.
+def topk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Decode (or draft-verify) rows that each attend only to their ``k`` visible keys with the largest ``q·k``.
 
-    Logits are summed over the query heads of each group before the top-k; ties go to the lower slot.
+    Logits are summed over the query heads of each KV group before the top-k, so a group shares one
+    key set per row; ties go to the lower slot. Row ``i`` of ``q`` sees slots ``0 .. n - q + i``.
 
     Returns
     -------
-    output : ``[b, 1, heads, d]``.
-    attended : ``[b, kv_heads, k]`` slot indices, ascending.
-    probs : ``[b, heads, n]`` probabilities, zero on skipped slots.
+    output : ``[b, q, heads, d]``.
+    attended : ``[b, kv_heads, n]`` bool, the slots the newest row attended to.
+    skipped : visible (row, kv_head, slot) triples left out, over all rows.
+    probs : ``[b, heads, n]`` probabilities of the newest row, zero on skipped slots.
     """
-    b, h, _, d = query.shape
+    b, h, q, d = query.shape
     kvh, n = key.shape[1], key.shape[2]
-    logits = torch.matmul(_grouped(query, kvh), key.unsqueeze(2).transpose(-1, -2)) * scaling  # [b,kvh,g,1,n]
-    group_score = logits.sum(dim=2).squeeze(-2)  # [b, kvh, n]
-    order = torch.sort(group_score, dim=-1, descending=True, stable=True).indices
-    attended = order[..., :k].sort(dim=-1).values
-    idx = attended.unsqueeze(-1).expand(b, kvh, k, d)
-    k_sel, v_sel = key.gather(2, idx), value.gather(2, idx)
-    out = F.scaled_dot_product_attention(query, k_sel, v_sel, scale=scaling, enable_gqa=h != kvh)
-    sel_logits = logits.gather(-1, attended[:, :, None, None, :].expand(b, kvh, h // kvh, 1, k))
-    probs = torch.zeros(b, kvh, h // kvh, n, dtype=torch.float32, device=query.device)
-    probs.scatter_(-1, attended[:, :, None, :].expand(b, kvh, h // kvh, k),
-                   torch.softmax(sel_logits.float(), dim=-1).squeeze(-2))
-    return out.transpose(1, 2).contiguous(), attended, probs.reshape(b, h, n)
+    g = h // kvh
+    logits = torch.matmul(_grouped(query, kvh), key.unsqueeze(2).transpose(-1, -2)) * scaling  # [b,kvh,g,q,n]
+    visible = torch.arange(n, device=key.device).unsqueeze(0) <= torch.arange(q, device=key.device).unsqueeze(1) + (n - q)
+    group_score = logits.sum(dim=2).masked_fill(~visible, float("-inf"))  # [b, kvh, q, n]
+    order = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[..., :k]
+    selected = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, order, True) & visible
+    probs = torch.softmax(logits.masked_fill(~selected.unsqueeze(2), float("-inf")), dim=-1)
+    out = torch.matmul(probs, value.unsqueeze(2))  # [b, kvh, g, q, d]
+    skipped = int((visible.sum() * kvh * b) - selected.sum())
+    last = probs[:, :, :, -1].reshape(b, h, n).float()
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), selected[:, :, -1], skipped, last
 
 
 def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -144,8 +145,8 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     q, n = query.shape[2], key.shape[2]
     plan = ctx.plan(layer, q, n)
     seen = LayerSignals()
-    if plan.topk is not None and q == 1 and n > plan.topk:
-        out, seen.attended, seen.last_row = topk_decode_attention(query, key, value, scaling, plan.topk)
+    if plan.topk is not None and n > plan.topk:
+        out, seen.attended, seen.skipped, seen.last_row = topk_attention(query, key, value, scaling, plan.topk)
     else:
         out = causal_attention(module, query, key, value, scaling, **kwargs)
         if plan.colsum_stride:

@@ -43,7 +43,8 @@ class LayerSignals:
     last_row: torch.Tensor | None = None  #: ``[b, heads, n]`` probabilities of the newest query
     window: torch.Tensor | None = None  #: ``[b, heads, w, n]`` probabilities of the last ``w`` queries
     colsum: torch.Tensor | None = None  #: ``[b, heads, n]`` attention received, summed over queries
-    attended: torch.Tensor | None = None  #: ``[b, kv_heads, k]`` slots a top-k step attended to
+    attended: torch.Tensor | None = None  #: ``[b, kv_heads, n]`` bool, slots the newest top-k row attended to
+    skipped: int = 0  #: visible (row, kv_head, slot) triples a top-k step left out
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class RunContext:
         if seen.last_row is not None and self.tier >= 2:
             self._record_importance(layer, positions, seen.last_row)
         if seen.attended is not None and self.tier >= 1:
-            self._record_skips(layer, positions, seen.attended)
+            self._record_skips(layer, positions, seen.attended, seen.skipped)
         if not self.evicting:
             return
         signal = seen.colsum if seen.colsum is not None else None
@@ -173,12 +174,13 @@ class RunContext:
         )
         scores, state = self.policy.score(obs)
         cache_layer.state = state
-        budget = self.policy.layer_budget(layer, self.num_layers)
+        budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
         n = positions.shape[-1]
         if budget is None or n <= budget:
             return
-        if self.drafts_in_forward:  # speculative drafts stay until verified (or cropped)
-            scores = protect(scores, positions >= cache_layer.seen - self.drafts_in_forward)
+        if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
+            scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
+                             positions >= cache_layer.seen - self.drafts_in_forward)
         keep = select_keep(scores, budget)
         evicted_slots, evicted_positions = cache_layer.compact(keep)
         if self.tier >= 1:
@@ -199,14 +201,11 @@ class RunContext:
         if self.tier >= 3:
             self.step_vectors[-1][layer, :seen] = vector.to(torch.float16)
 
-    def _record_skips(self, layer: int, positions: torch.Tensor, attended: torch.Tensor) -> None:
-        n = positions.shape[-1]
-        skipped = torch.ones_like(positions[0], dtype=torch.bool)
-        skipped.scatter_(-1, attended[0], False)
-        count = n - attended.shape[-1]
-        self.skipped_count += count * positions.shape[1]
+    def _record_skips(self, layer: int, positions: torch.Tensor, attended: torch.Tensor, skipped: int) -> None:
+        self.skipped_count += skipped
         if self.tier >= 2:
-            self.attended.add(self.step, layer, positions[0].gather(-1, attended[0]), None)
+            kept = positions[0][attended[0]].reshape(positions.shape[1], -1)
+            self.attended.add(self.step, layer, kept, None)
         if self.tier >= 3:
-            skipped_positions = positions[0][skipped].reshape(positions.shape[1], count)
-            self.skips.add(self.step, layer, skipped_positions, None)
+            left_out = positions[0][~attended[0]].reshape(positions.shape[1], -1)
+            self.skips.add(self.step, layer, left_out, None)

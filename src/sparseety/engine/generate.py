@@ -83,8 +83,8 @@ class SparseEngine:
             raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
         if max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if speculative is not None and speculative <= 0:
-            raise InputError(f"speculative must be a positive number of draft tokens, got {speculative}")
+        if speculative is not None:
+            self._check_speculative(speculative, encoded, policy)
         input_ids = encoded.input_ids
         if self.max_positions and encoded.input_len + max_new_tokens > self.max_positions:
             raise InputError(
@@ -118,7 +118,7 @@ class SparseEngine:
                     past_key_values=cache,
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
-                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                    pad_token_id=_pad_id(self.tokenizer),
                     **kwargs,
                 )
         finally:
@@ -127,6 +127,18 @@ class SparseEngine:
             if probes is not None:
                 probes.detach()
         return self._result(ctx, encoded, sequences, policy, tier, top_k, probes, request_id)
+
+    def _check_speculative(self, speculative: int, encoded: EncodedInput, policy: Policy) -> None:
+        """Prompt lookup needs room for its drafts and an empty cache at its first step."""
+        if speculative <= 0:
+            raise InputError(f"speculative must be a positive number of draft tokens, got {speculative}")
+        if encoded.compress_len is not None:
+            raise InputError("speculative decoding cannot be combined with the long-document protocol: "
+                             "transformers' prompt lookup re-feeds a pre-filled cache")
+        budgets = [policy.layer_budget(layer, self.num_layers) for layer in range(self.num_layers)]
+        smallest = min((b for b in budgets if b is not None), default=None)
+        if policy.evicts and smallest is not None and speculative >= smallest:
+            raise InputError(f"speculative ({speculative}) must be smaller than the smallest layer budget ({smallest})")
 
     def _result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
                 tier: int, top_k: int, probes: ModuleProbes | None, request_id: str | None) -> RunResult:
@@ -198,3 +210,8 @@ def _begin(ctx: RunContext) -> Callable[..., None]:
             ids = kwargs["inputs_embeds"]
         ctx.begin_forward(int(ids.shape[1]))
     return hook
+
+
+def _pad_id(tokenizer: Any) -> int | None:
+    """The tokenizer's pad id, falling back to its eos id (generation here is batch 1; nothing is padded)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

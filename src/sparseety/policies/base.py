@@ -95,8 +95,8 @@ class Policy:
         """Row sampling stride for :attr:`Signal.COLSUM` over ``q_len`` query rows (1: every row, exact)."""
         return 1
 
-    def layer_budget(self, layer: int, num_layers: int) -> int | None:
-        """Slots this layer may hold per KV head (None: unbounded)."""
+    def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
+        """Slots this layer may hold per KV head (None: unbounded), once ``seen`` tokens were seen."""
         return self.budget
 
     # -- scoring -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ class DensePolicy(Policy):
     summary: ClassVar[str] = "nothing evicted (the baseline)"
     evicts: ClassVar[bool] = False
 
-    def layer_budget(self, layer: int, num_layers: int) -> int | None:
+    def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         return None
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,6 +14,7 @@ class PyramidPolicy(SnapKVPolicy):
     """SnapKV scoring with per-layer budgets shrinking linearly with depth; their mean is ``budget``.
 
     The deepest layer gets ``b_min = max(window, budget // beta)``, the first ``2 * budget - b_min``.
+    As in PyramidKV, nothing is compressed while the sequence still fits the mean budget.
     """
 
     name: ClassVar[str] = "pyramid"
@@ -25,8 +26,8 @@ class PyramidPolicy(SnapKVPolicy):
         super().__post_init__()
         check_positive_int(self.name, "beta", self.beta)
 
-    def layer_budget(self, layer: int, num_layers: int) -> int | None:
-        if self.budget is None:
+    def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
+        if self.budget is None or (seen is not None and seen <= self.budget):
             return None
         b_min = min(self.budget, max(self.window, self.budget // self.beta))
         b_max = 2 * self.budget - b_min

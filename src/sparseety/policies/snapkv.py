@@ -63,5 +63,5 @@ class SnapKVPolicy(Policy):
             state = window_vote(obs.attention, self.window, self.kernel)
         else:
             state = obs.attention if obs.state is None else obs.state + obs.attention
-        budget = self.layer_budget(obs.layer, obs.num_layers) or 0
+        budget = self.layer_budget(obs.layer, obs.num_layers) or 0  # the compressing regime's budget
         return protect(state, recent_mask(obs.positions, min(self.window, budget))), state
