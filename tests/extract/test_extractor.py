@@ -208,6 +208,13 @@ def test_batched_signals_need_and_use_batch_index(reference, same_records):
     check(reference, same_records, list(range(5)), route, score_type="route", batch_index=1, min_score=0.0)
     with pytest.raises(ShapeError, match="out of range"):
         extract(list(range(8)), x, ExtractionConfig(batch_index=3))
+    with pytest.raises(ShapeError, match="no batch axis"):
+        extract(list(range(8)), x[0], ExtractionConfig(batch_index=1))
+    with pytest.raises(ShapeError, match="no batch axis"):
+        extract(list(range(5)), route[0], ExtractionConfig(score_type="route", batch_index=1))
+    assert extract(list(range(8)), x[1], ExtractionConfig(batch_index=0)) == extract(
+        list(range(8)), x[1], ExtractionConfig()
+    )
 
 
 def test_token_offset_shifts_positions(reference, same_records):
