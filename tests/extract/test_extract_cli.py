@@ -290,6 +290,8 @@ def test_decode_and_exclude_special_use_the_tokenizer(tmp_path, monkeypatch):
     excluded = lines(run(tmp_path / "r.json", "--exclude-special"))
     assert loaded[-1] == "smollm2-135m" and excluded and all(r["token_id"] != 1 for r in excluded)
     assert excluded[0]["score"] == 1.0 and all(r["text"] is None for r in excluded)
+    stats = lines(run(tmp_path / "r.json", "--exclude-special", "--stats"))
+    assert stats == [{"score_type": "attention", "count": 5, "p25": 1.0, "p50": 1.0, "p75": 1.0, "p90": 1.0}]
 
 
 @pytest.mark.model

@@ -146,7 +146,8 @@ class _Output:
     def add(self, record: OfflineRecord, config: ExtractionConfig, result: ExtractionResult) -> None:
         if self.stats:
             values = result.token_scores.detach().flatten().float().cpu().numpy()
-            self.scores.setdefault(config.score_type, []).append(values)
+            candidates = values[np.isfinite(values)]  # tokens left out by exclude_special score -inf
+            self.scores.setdefault(config.score_type, []).append(candidates)
             return
         for token in result.records:
             row = {"generation_id": record.generation_id, **token.to_dict()}
