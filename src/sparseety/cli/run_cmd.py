@@ -11,11 +11,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from sparseety.cli.app import app, user_errors
-from sparseety.engine import SparseEngine, encode_document, encode_prompt
 from sparseety.errors import InputError
-from sparseety.models import DEFAULT_MODEL, load_model
-from sparseety.policies import build_policy, parse_policy_opts, resolve_budget
-from sparseety.store import write_run_trace
+from sparseety.models.registry import DEFAULT_MODEL
 
 
 def read_text(path: Path, what: str) -> str:
@@ -48,6 +45,13 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
+    # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
+    from sparseety.cli.summary import print_summary
+    from sparseety.engine import SparseEngine, encode_document, encode_prompt
+    from sparseety.models import load_model
+    from sparseety.policies import build_policy, parse_policy_opts, resolve_budget
+    from sparseety.store import write_run_trace
+
     sources = sum(x is not None for x in (prompt, prompt_file, context_file))
     if sources != 1:
         raise InputError("give exactly one of --prompt, --prompt-file or --context-file")
@@ -89,6 +93,4 @@ def run(
         return
     console = Console()
     console.print(result.text, markup=False, highlight=False)
-    from sparseety.cli.summary import print_summary
-
     print_summary(result, console)
