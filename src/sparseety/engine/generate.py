@@ -163,7 +163,8 @@ class SparseEngine:
             if ctx.importance is not None:
                 importance = ctx.importance[:, :seen]
                 arrays["importance"] = importance.numpy().astype(np.float16)
-                records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode)
+                special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
+                records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special)
             if probes is not None:
                 for layer, probs in probes.routers().items():
                     arrays[f"router.{layer}"] = probs.astype(np.float16)

@@ -13,7 +13,7 @@ from sparseety.schema import TokenRecord
 
 
 def important_tokens(token_ids: np.ndarray, importance: torch.Tensor, prompt_len: int, top_k: int,
-                     decode: Callable[[int], str] | None) -> list[TokenRecord]:
+                     decode: Callable[[int], str] | None, special_ids: tuple[int, ...] = ()) -> list[TokenRecord]:
     """Rank the tokens the model attended to while generating.
 
     Parameters
@@ -23,12 +23,15 @@ def important_tokens(token_ids: np.ndarray, importance: torch.Tensor, prompt_len
         the output tokens, summed over those steps and averaged over heads.
     prompt_len : tokens before the first generated one.
     top_k : records per ranking.
+    special_ids : token ids left out of the rankings (BOS and chat-template markers act as attention
+        sinks and would otherwise top every ranking; their mass stays in the trace's importance array).
 
     Returns
     -------
     The ranking over all layers (``layer`` None) first, then one ranking per layer.
     """
-    config = ExtractionConfig(score_type="attention", layout="qk", top_k=top_k, min_score=0.0, normalize="max")
+    config = ExtractionConfig(score_type="attention", layout="qk", top_k=top_k, min_score=0.0, normalize="max",
+                              exclude_special=bool(special_ids), special_ids=tuple(special_ids))
     ids = torch.as_tensor(token_ids)
     records = extract(ids, importance.sum(dim=0, keepdim=True), config, decode, prompt_len=prompt_len)
     for layer in range(importance.shape[0]):

@@ -32,7 +32,8 @@ def provenance(model: torch.nn.Module, model_name: str, policy: Policy, tier: in
         "policy_params": policy.params(),
         "budget": policy.budget,
         "extraction": {"score_type": "attention", "signal": "attention received while generating",
-                       "top_k": top_k, "normalize": "max", "min_score": 0.0},
+                       "top_k": top_k, "normalize": "max", "min_score": 0.0,
+                       "exclude_special": True},
         "tier": tier,
         "sample_rate": sample_rate,
     }
