@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from sparseety.engine.context import LayerSignals, active_context
 
 ATTENTION_NAME = "sparseety"
-COLSUM_BLOCK = 512
+COLSUM_BLOCK = 128
 
 
 def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -58,9 +58,11 @@ def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float) -> to
     -------
     ``[b, heads, r, n]`` float32 probabilities, causally masked.
     """
-    b, h, r, _ = query_rows.shape
+    b, h, r, d = query_rows.shape
     kvh, n = key.shape[1], key.shape[2]
-    logits = torch.matmul(_grouped(query_rows, kvh).float(), key.float().unsqueeze(2).transpose(-1, -2)) * scaling
+    # [b, kvh, g*r, d] @ [b, kvh, d, n]: one batched GEMM per KV head, no broadcast copies of the keys
+    grouped = query_rows.float().reshape(b, kvh, (h // kvh) * r, d)
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, kvh, h // kvh, r, n) * scaling
     if r > 1:
         rows = torch.arange(r, device=key.device).unsqueeze(1)
         cols = torch.arange(n, device=key.device).unsqueeze(0)
@@ -119,7 +121,7 @@ def topk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     b, h, q, d = query.shape
     kvh, n = key.shape[1], key.shape[2]
     g = h // kvh
-    logits = torch.matmul(_grouped(query, kvh), key.unsqueeze(2).transpose(-1, -2)) * scaling  # [b,kvh,g,q,n]
+    logits = torch.matmul(query.reshape(b, kvh, g * q, d), key.transpose(-1, -2)).view(b, kvh, g, q, n) * scaling
     visible = torch.arange(n, device=key.device).unsqueeze(0) <= torch.arange(q, device=key.device).unsqueeze(1) + (n - q)
     group_score = logits.sum(dim=2).masked_fill(~visible, float("-inf"))  # [b, kvh, q, n]
     order = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[..., :k]

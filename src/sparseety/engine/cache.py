@@ -67,9 +67,10 @@ class SparseLayer(DynamicLayer):
         k = keep.shape[-1]
         evicted_slots = dropped.nonzero(as_tuple=True)[-1].reshape(*keep.shape[:-1], n - k)
         evicted_positions = self.positions.gather(-1, evicted_slots)
-        index = keep.unsqueeze(-1).expand(*keep.shape, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, index)
-        self.values = self.values.gather(2, index)
+        b, h, _, d = self.keys.shape
+        rows = (keep + torch.arange(b * h, device=keep.device).view(b, h, 1) * n).reshape(-1)
+        self.keys = self.keys.reshape(b * h * n, d).index_select(0, rows).view(b, h, k, d)
+        self.values = self.values.reshape(b * h * n, d).index_select(0, rows).view(b, h, k, d)
         self.positions = self.positions.gather(-1, keep)
         if self.state is not None:
             self.state = self.state.gather(-1, keep)

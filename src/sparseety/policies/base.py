@@ -136,6 +136,11 @@ def select_keep(scores: torch.Tensor, budget: int) -> torch.Tensor:
     -------
     ``[b, kv_heads, budget]`` long slot indices, sorted ascending.
     """
+    n = scores.shape[-1]
+    if n - budget == 1:  # the common decode step: drop the highest slot among the lowest scores
+        evict = (n - 1) - scores.flip(-1).argmin(dim=-1, keepdim=True)
+        slots = torch.arange(n - 1, device=scores.device).expand(*scores.shape[:-1], n - 1)
+        return slots + (slots >= evict).long()
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     return order[..., :budget].sort(dim=-1).values
 
