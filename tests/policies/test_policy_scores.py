@@ -73,7 +73,7 @@ def test_snapkv_window_vote_pools_and_protects_the_window():
 
 def test_snapkv_pooling_excludes_padding_at_the_edges():
     votes = torch.tensor([[[[3.0, 1.0, 0.0, 0.0, 2.0]]]])
-    pooled = window_vote(votes, window=1, kernel=3)[0, 0]
+    pooled = window_vote(votes, kernel=3)[0, 0]
     assert torch.allclose(pooled, torch.tensor([2.0, 4.0 / 3, 1.0 / 3, 2.0 / 3, 1.0]))
 
 

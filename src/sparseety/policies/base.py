@@ -119,6 +119,12 @@ def recent_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
     return positions > newest - window
 
 
+def accumulated(obs: Observation) -> torch.Tensor:
+    """``[b, kv_heads, n]`` this step's attention added to the slot accumulator (H2O-style)."""
+    assert obs.attention is not None
+    return obs.attention if obs.state is None else obs.state + obs.attention
+
+
 def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Return ``scores`` with the slots in ``mask`` set to ``+inf``."""
     return scores.masked_fill(mask, float("inf"))

@@ -8,7 +8,9 @@ from typing import ClassVar
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import Observation, Policy, Signal, check_positive_int, protect, recent_mask
+from sparseety.policies.base import (
+    Observation, Policy, Signal, accumulated, check_positive_int, protect, recent_mask,
+)
 
 
 @dataclass
@@ -44,7 +46,6 @@ class H2OPolicy(Policy):
         return 1 if self.prefill_rows == 0 else max(1, -(-q_len // self.prefill_rows))
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
-        assert obs.attention is not None
-        state = obs.attention if obs.state is None else obs.state + obs.attention
+        state = accumulated(obs)
         window = int((self.budget or 0) * self.recent_ratio)
         return protect(state, recent_mask(obs.positions, window)), state

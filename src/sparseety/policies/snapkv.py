@@ -8,16 +8,17 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from sparseety.policies.base import Observation, Policy, Signal, check_positive_int, protect, recent_mask
+from sparseety.policies.base import (
+    Observation, Policy, Signal, accumulated, check_positive_int, protect, recent_mask,
+)
 
 
-def window_vote(attention: torch.Tensor, window: int, kernel: int) -> torch.Tensor:
+def window_vote(attention: torch.Tensor, kernel: int) -> torch.Tensor:
     """Observation-window vote, pooled along the key axis.
 
     Parameters
     ----------
     attention : ``[b, kv_heads, w, n]`` probabilities of the last ``w`` query rows.
-    window : protected window length (the voters themselves).
     kernel : 1-D average-pooling width (odd).
 
     Returns
@@ -60,8 +61,8 @@ class SnapKVPolicy(Policy):
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert obs.attention is not None
         if obs.attention.dim() == 4:
-            state = window_vote(obs.attention, self.window, self.kernel)
+            state = window_vote(obs.attention, self.kernel)
         else:
-            state = obs.attention if obs.state is None else obs.state + obs.attention
+            state = accumulated(obs)
         budget = self.layer_budget(obs.layer, obs.num_layers) or 0  # the compressing regime's budget
         return protect(state, recent_mask(obs.positions, min(self.window, budget))), state
