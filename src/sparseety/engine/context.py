@@ -107,6 +107,7 @@ class RunContext:
     importance: torch.Tensor | None = None  #: ``[layers, positions]`` attention received while generating
     step_vectors: list[torch.Tensor] = field(default_factory=list)  #: tier 3: ``[layers, seen]`` float16 each
     _t0: float = 0.0
+    _plan: LayerPlan | None = None
 
     # -- forward lifecycle (called by model hooks) -------------------------------------------------
     def begin_forward(self, q_len: int) -> None:
@@ -114,6 +115,7 @@ class RunContext:
         self.forward_index += 1
         seen = self.cache.layers[0].seen
         self.q_len = q_len
+        self._plan = None
         self.prompt_forward = seen < self.input_len
         self.step = max(0, seen + 1 - self.input_len)
         self.evicting = self.policy.evicts and not (self.compress_once and self.forward_index > 0)
@@ -136,17 +138,22 @@ class RunContext:
 
     # -- per layer (called by the hook point) ---------------------------------------------------------
     def plan(self, layer: int, q: int, n: int) -> LayerPlan:
-        """Decide which attention rows layer ``layer`` must compute for ``q`` new queries over ``n`` slots."""
-        policy = self.policy
-        signal = Signal.NONE
-        if self.evicting:
-            signal = policy.prefill_signal if self.prompt_forward else policy.decode_signal
-        return LayerPlan(
-            last_row=signal is Signal.LAST_ROW or self.tier >= 2,
-            window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
-            colsum_stride=policy.colsum_stride(q) if signal is Signal.COLSUM else 0,
-            topk=policy.budget if policy.attends_topk and not self.prompt_forward else None,
-        )
+        """Which attention rows layer ``layer`` must compute for ``q`` new queries over ``n`` slots.
+
+        The plan depends only on the forward (phase, ``q``), so it is made once per forward.
+        """
+        if self._plan is None:
+            policy = self.policy
+            signal = Signal.NONE
+            if self.evicting:
+                signal = policy.prefill_signal if self.prompt_forward else policy.decode_signal
+            self._plan = LayerPlan(
+                last_row=signal is Signal.LAST_ROW or self.tier >= 2,
+                window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
+                colsum_stride=policy.colsum_stride(q) if signal is Signal.COLSUM else 0,
+                topk=policy.budget if policy.attends_topk and not self.prompt_forward else None,
+            )
+        return self._plan
 
     def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         """Record what layer ``layer`` attended to, then let the policy score and evict."""
