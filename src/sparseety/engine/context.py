@@ -168,11 +168,8 @@ class RunContext:
             self._record_skips(layer, positions, seen.attended, seen.skipped)
         if not self.evicting:
             return
-        signal = seen.colsum if seen.colsum is not None else None
-        if seen.window is not None:
-            signal = seen.window
-        elif signal is None:
-            signal = seen.last_row
+        # The policy's own signal: the window vote, else column sums, else the newest row.
+        signal = next((x for x in (seen.window, seen.colsum, seen.last_row) if x is not None), None)
         obs = Observation(
             layer=layer, num_layers=self.num_layers, step=self.step, prefill=self.prompt_forward,
             positions=positions, keys=key,
