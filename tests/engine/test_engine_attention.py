@@ -61,3 +61,15 @@ def test_row_probs_are_the_last_rows(q, rows, n):
     query, key, value = tensors(q, n, seed=2)
     probs = row_probs(query[:, :, q - rows:], key, 0.35)
     assert torch.allclose(probs, naive(query, key, value, 0.35)[1][:, :, q - rows:], atol=1e-6)
+
+
+def test_decode_attention_with_probs_matches_sdpa_and_row_probs():
+    """The single-pass decode path gives SDPA's output and row_probs' probabilities."""
+    from sparseety.engine.attention import decode_attention_with_probs, row_probs
+
+    torch.manual_seed(3)
+    query, key, value = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
+    out, probs = decode_attention_with_probs(query, key, value, 0.35)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=0.35, enable_gqa=True)
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
+    assert torch.allclose(probs, row_probs(query, key, 0.35)[:, :, 0], atol=1e-7)

@@ -70,6 +70,25 @@ def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float) -> to
     return torch.softmax(logits, dim=-1).reshape(b, h, r, n)
 
 
+def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode row: output and its probabilities from a single q·K pass (no second SDPA pass).
+
+    Used only where the step evicts anyway, so the output need not be bit-identical to SDPA.
+
+    Returns
+    -------
+    output : ``[b, 1, heads, d]``.
+    probs : ``[b, heads, n]`` float32.
+    """
+    b, h, _, d = query.shape
+    kvh, n = key.shape[1], key.shape[2]
+    logits = torch.matmul(query.reshape(b, kvh, h // kvh, d), key.transpose(-1, -2)) * scaling
+    probs = torch.softmax(logits, dim=-1)  # [b, kvh, g, n]
+    out = torch.matmul(probs, value)  # [b, kvh, g, d]
+    return out.reshape(b, 1, h, d), probs.reshape(b, h, n).float()
+
+
 def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int = 1,
                 block: int = COLSUM_BLOCK) -> torch.Tensor:
     """Attention each key receives, summed over query rows, computed ``block`` rows at a time.
@@ -149,6 +168,8 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     seen = LayerSignals()
     if plan.topk is not None and n > plan.topk:
         out, seen.attended, seen.skipped, seen.last_row = topk_attention(query, key, value, scaling, plan.topk)
+    elif q == 1 and plan.last_row and ctx.will_evict(layer, n):
+        out, seen.last_row = decode_attention_with_probs(query, key, value, scaling)
     else:
         out = causal_attention(module, query, key, value, scaling, **kwargs)
         if plan.colsum_stride:

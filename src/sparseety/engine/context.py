@@ -155,6 +155,13 @@ class RunContext:
             )
         return self._plan
 
+    def will_evict(self, layer: int, n: int) -> bool:
+        """True when layer ``layer`` holding ``n`` slots evicts after this step's attention."""
+        if not self.evicting:
+            return False
+        budget = self.policy.layer_budget(layer, self.num_layers, self.cache.layers[layer].seen)
+        return budget is not None and n > budget
+
     def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         """Record what layer ``layer`` attended to, then let the policy score and evict."""
         if self.prompt_forward and self.on_prefill_layer is not None:
