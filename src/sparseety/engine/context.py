@@ -185,10 +185,9 @@ class RunContext:
         )
         scores, state = self.policy.score(obs)
         cache_layer.state = state
-        budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
-        n = positions.shape[-1]
-        if budget is None or n <= budget:
+        if not self.will_evict(layer, positions.shape[-1]):
             return
+        budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
         if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
             scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                              positions >= cache_layer.seen - self.drafts_in_forward)
