@@ -16,6 +16,7 @@ import torch
 
 from sparseety.engine.cache import SparseCache
 from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, EventLog
+from sparseety.engine.probe import ModuleProbes
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_keep
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
@@ -88,6 +89,7 @@ class RunContext:
     compress_once: bool = False
     seed: int = 0
     on_prefill_layer: Callable[[int, int], None] | None = None
+    probes: ModuleProbes | None = None  #: router and activation collector (tier >= 2)
 
     forward_index: int = -1
     step: int = 0

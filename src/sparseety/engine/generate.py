@@ -1,15 +1,17 @@
 """``SparseEngine``: greedy generation through the hook point, with a policy, a ``SparseCache`` and probes.
 
 The engine wraps one model: it switches that model (and only it) to the registered attention
-function, and for each call builds a fresh :class:`RunContext`. Generation itself is plain
+function and registers, once per model, hooks that forward to the :class:`RunContext` active on the
+calling thread; each call builds a fresh context, so concurrent runs on one model stay apart. Generation itself is plain
 ``model.generate(do_sample=False)``, so with the ``dense`` policy the tokens are exactly those of
 plain generation; everything SparSEEty adds happens beside the computation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,10 +19,10 @@ import torch
 
 from sparseety.engine.attention import ATTENTION_NAME
 from sparseety.engine.cache import SparseCache
-from sparseety.engine.context import RunContext, activate
+from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
 from sparseety.engine.inputs import EncodedInput
-from sparseety.engine.probe import ModuleProbes
+from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
 from sparseety.engine.provenance import provenance
 from sparseety.engine.result import RunResult
 from sparseety.errors import InputError
@@ -48,6 +50,7 @@ class SparseEngine:
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         model.set_attn_implementation(ATTENTION_NAME)
+        _install_hooks(model)
 
     def decode(self, token_id: int) -> str:
         """Text of one token id."""
@@ -91,42 +94,49 @@ class SparseEngine:
                 f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                 f"the model's context of {self.max_positions} tokens"
             )
+        with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer) as ctx:
+            if encoded.compress_len is not None:
+                ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
+                self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
+                ctx.input_len = encoded.input_len
+            kwargs: dict[str, Any] = {}
+            if speculative:
+                kwargs["prompt_lookup_num_tokens"] = speculative
+            sequences = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                past_key_values=ctx.cache,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=_pad_id(self.tokenizer),
+                **kwargs,
+            )
+        return self._result(ctx, encoded, sequences, policy, tier, top_k, request_id)
+
+    @contextlib.contextmanager
+    def open_run(
+        self,
+        encoded: EncodedInput,
+        policy: Policy,
+        *,
+        tier: int = 2,
+        seed: int = 0,
+        on_prefill_layer: Callable[[int, int], None] | None = None,
+    ) -> Iterator[RunContext]:
+        """A fresh :class:`RunContext` (with an empty ``SparseCache``), active inside the block.
+
+        Every forward of ``self.model`` on this thread inside the block runs through the context's
+        policy and probes; pass ``past_key_values=ctx.cache``. Gradients are off.
+        """
         torch.manual_seed(seed)
-        cache = SparseCache(self.num_layers)
         ctx = RunContext(
-            policy=policy, cache=cache, num_layers=self.num_layers, kv_heads=self.kv_heads, tier=tier,
-            input_len=encoded.input_len, compress_once=encoded.compress_len is not None, seed=seed,
-            on_prefill_layer=on_prefill_layer,
+            policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
+            kv_heads=self.kv_heads, tier=tier, input_len=encoded.input_len,
+            compress_once=encoded.compress_len is not None, seed=seed, on_prefill_layer=on_prefill_layer,
+            probes=ModuleProbes() if tier >= 2 else None,
         )
-        probes = ModuleProbes().attach(self.model) if tier >= 2 else None
-        hooks = [
-            self.model.register_forward_pre_hook(_begin(ctx), with_kwargs=True),
-            self.model.register_forward_hook(lambda *_: ctx.end_forward()),
-        ]
-        try:
-            with activate(ctx), torch.inference_mode():
-                if encoded.compress_len is not None:
-                    ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
-                    self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=cache, use_cache=True)
-                    ctx.input_len = encoded.input_len
-                kwargs: dict[str, Any] = {}
-                if speculative:
-                    kwargs["prompt_lookup_num_tokens"] = speculative
-                sequences = self.model.generate(
-                    input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    past_key_values=cache,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=_pad_id(self.tokenizer),
-                    **kwargs,
-                )
-        finally:
-            for hook in hooks:
-                hook.remove()
-            if probes is not None:
-                probes.detach()
-        return self._result(ctx, encoded, sequences, policy, tier, top_k, probes, request_id)
+        with activate(ctx), torch.inference_mode():
+            yield ctx
 
     def _check_speculative(self, speculative: int, encoded: EncodedInput, policy: Policy) -> None:
         """Prompt lookup needs room for its drafts and an empty cache at its first step."""
@@ -141,7 +151,7 @@ class SparseEngine:
             raise InputError(f"speculative ({speculative}) must be smaller than the smallest layer budget ({smallest})")
 
     def _result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
-                tier: int, top_k: int, probes: ModuleProbes | None, request_id: str | None) -> RunResult:
+                tier: int, top_k: int, request_id: str | None) -> RunResult:
         prompt_ids = encoded.input_ids[0].tolist()
         output_ids = sequences[0, encoded.input_len:].tolist()
         token_ids = np.asarray(prompt_ids + output_ids, dtype=np.int64)
@@ -165,6 +175,7 @@ class SparseEngine:
                 arrays["importance"] = importance.numpy().astype(np.float16)
                 special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
                 records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special)
+            probes = ctx.probes
             if probes is not None:
                 for layer, probs in probes.routers().items():
                     arrays[f"router.{layer}"] = probs.astype(np.float16)
@@ -199,18 +210,38 @@ class SparseEngine:
             prefill_s=ctx.prefill_s,
             decode_s=ctx.decode_s,
             important_tokens=records,
+            token_texts=self.tokenizer.batch_decode([[int(i)] for i in token_ids]) if tier >= 2 else [],
             provenance=provenance(self.model, self.model_name, policy, tier, top_k),
             arrays=arrays,
         )
 
 
-def _begin(ctx: RunContext) -> Callable[..., None]:
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+_HOOKED = "_sparseety_hooks"
+
+
+def _install_hooks(model: torch.nn.Module) -> None:
+    """Register, once per model, forward hooks that reach the run active on the calling thread."""
+    if getattr(model, _HOOKED, False):
+        return
+
+    def begin(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        ctx = active_context()
+        if ctx is None:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs["inputs_embeds"]
         ctx.begin_forward(int(ids.shape[1]))
-    return hook
+
+    def end(*_: Any) -> None:
+        ctx = active_context()
+        if ctx is not None:
+            ctx.end_forward()
+
+    model.register_forward_pre_hook(begin, with_kwargs=True)
+    model.register_forward_hook(end)
+    attach_probe_hooks(model, lambda: getattr(active_context(), "probes", None))
+    setattr(model, _HOOKED, True)
 
 
 def _pad_id(tokenizer: Any) -> int | None:

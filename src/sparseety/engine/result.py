@@ -37,6 +37,7 @@ class RunResult:
     prefill_s: float
     decode_s: float
     important_tokens: list[TokenRecord] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  #: tier >= 2: text of each position's token
     provenance: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     trace_path: str | None = None

@@ -33,6 +33,7 @@ def write_run_trace(result: RunResult, trace_dir: str | Path) -> Path:
     try:
         document: dict[str, Any] = result.to_json()
         document["prompt_token_ids"] = result.prompt_ids
+        document["token_texts"] = result.token_texts
         document["provenance"] = result.provenance
         document["arrays"] = {name: list(array.shape) for name, array in result.arrays.items()}
         (tmp / TRACE_FILE).write_text(json.dumps(document, indent=1))
