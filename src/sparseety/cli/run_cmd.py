@@ -50,7 +50,7 @@ def run(
     from sparseety.engine import SparseEngine, encode_document, encode_prompt
     from sparseety.models import load_model
     from sparseety.policies import build_policy, parse_policy_opts, resolve_budget
-    from sparseety.store import write_run_trace
+    from sparseety.store import write_trace
 
     sources = sum(x is not None for x in (prompt, prompt_file, context_file))
     if sources != 1:
@@ -87,7 +87,7 @@ def run(
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
         )
     if tier >= 1:
-        write_run_trace(result, trace_dir)
+        result.trace_path = str(write_trace(result, trace_dir))
     if as_json:
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         return

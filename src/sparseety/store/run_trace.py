@@ -18,7 +18,7 @@ TRACE_FILE = "trace.json"
 ARRAYS_FILE = "arrays.npz"
 
 
-def write_run_trace(result: RunResult, trace_dir: str | Path) -> Path:
+def write_run_trace(result: RunResult, trace_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Store ``result`` under ``trace_dir`` and return the trace folder; sets ``result.trace_path``.
 
     The folder is written under a temporary name and renamed into place, so a reader never sees
@@ -35,6 +35,7 @@ def write_run_trace(result: RunResult, trace_dir: str | Path) -> Path:
         document["prompt_token_ids"] = result.prompt_ids
         document["token_texts"] = result.token_texts
         document["provenance"] = result.provenance
+        document.update(extra or {})
         document["arrays"] = {name: list(array.shape) for name, array in result.arrays.items()}
         (tmp / TRACE_FILE).write_text(json.dumps(document, indent=1))
         np.savez_compressed(tmp / ARRAYS_FILE, **result.arrays)

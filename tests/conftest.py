@@ -1,4 +1,4 @@
-"""The real default model, loaded once per test session (converted from GGUF on first use)."""
+"""Shared fixtures: the real default model, loaded once per test session (converted from GGUF on first use)."""
 
 from __future__ import annotations
 
