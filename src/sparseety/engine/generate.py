@@ -68,6 +68,7 @@ class SparseEngine:
         seed: int = 0,
         request_id: str | None = None,
         on_prefill_layer: Callable[[int, int], None] | None = None,
+        streamer: Any = None,
     ) -> RunResult:
         """Generate greedily and record the token lifecycle.
 
@@ -81,6 +82,8 @@ class SparseEngine:
         speculative : draft this many tokens per step by prompt lookup (no second model).
         seed : seed for seeded policies.
         on_prefill_layer : called with ``(layer, num_layers)`` as prefill passes each layer.
+        streamer : a transformers streamer (``put``/``end``) handed to ``model.generate``; it receives
+            the prompt ids first, then each step's new token ids.
         """
         if tier not in (0, 1, 2, 3):
             raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
@@ -109,6 +112,7 @@ class SparseEngine:
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=_pad_id(self.tokenizer),
+                streamer=streamer,
                 **kwargs,
             )
         return self._result(ctx, encoded, sequences, policy, tier, top_k, request_id)
