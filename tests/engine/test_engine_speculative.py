@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from sparseety.errors import SparseetyError
@@ -25,14 +26,17 @@ def test_speculative_dense_equals_plain_greedy(draft, family, engine_for, greedy
 
 
 def test_draft_accounting_matches_tokens_fed(engine_for):
-    """Tokens fed = prompt + one per verify forward + drafts; minus rejected = the P + G - 1 the cache saw."""
+    """Tokens fed = prompt + one per verify forward + drafts; minus rejected = the P + G - 1 the cache saw
+    (plus the last token when it was an accepted draft: it was fed, then cropped as the final token never is)."""
     engine = engine_for("mixtral")
     result = run(engine, repetitive_ids(PROMPT), build_policy("dense"), NEW, tier=3, speculative=3)
     forwards = result.arrays["step_importance"].shape[0]
     fed = PROMPT + (forwards - 1) + result.draft_tokens
     assert forwards < NEW, "drafts were accepted, so fewer forwards than tokens"
     assert result.arrays["router.0"].shape[0] == fed
-    assert fed - result.draft_rejected == PROMPT + NEW - 1
+    a = result.arrays
+    last_was_draft = int(((a["drafted.position"] == PROMPT + NEW - 1) & (a["drafted.rejected"] == 0)).any())
+    assert fed - result.draft_rejected - last_was_draft == PROMPT + NEW - 1
 
 
 def test_no_drafts_on_a_prompt_without_repeats(engine_for, greedy_reference):
@@ -97,3 +101,25 @@ def test_speculative_topk_attention_is_lossless(k, engine_for):
     drafted = run(engine, ids, build_policy("topk_attention", k), NEW, tier=1, speculative=3)
     assert drafted.draft_tokens > 0
     assert drafted.output_ids == plain.output_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_drafted_tokens_recorded_per_token(family, engine_for):
+    """Every drafted token is logged with its step and position; the rejected ones sum to draft_rejected,
+    and an accepted draft is the token the sequence holds at its position."""
+    engine = engine_for(family)
+    result = run(engine, repetitive_ids(PROMPT), build_policy("dense"), NEW, tier=1, speculative=3)
+    a = result.arrays
+    assert len(a["drafted.step"]) == result.draft_tokens > 0
+    assert int(a["drafted.rejected"].sum()) == result.draft_rejected
+    accepted = a["drafted.rejected"] == 0
+    sequence = np.asarray(result.token_ids)
+    inside = a["drafted.position"][accepted] < len(sequence)
+    assert (sequence[a["drafted.position"][accepted][inside]] == a["drafted.token_id"][accepted][inside]).all()
+    assert (np.diff(a["drafted.step"]) >= 0).all()
+    # The first rejected draft of each step is where the model disagreed with the draft.
+    for step in np.unique(a["drafted.step"][~accepted]):
+        first = np.flatnonzero((a["drafted.step"] == step) & ~accepted)[0]
+        position = a["drafted.position"][first]
+        if position < len(sequence):
+            assert sequence[position] != a["drafted.token_id"][first]

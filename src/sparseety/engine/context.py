@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparseety.engine.cache import SparseCache
@@ -108,12 +109,13 @@ class RunContext:
     decode_forwards: int = 0
     importance: torch.Tensor | None = None  #: ``[layers, positions]`` attention received while generating
     step_vectors: list[torch.Tensor] = field(default_factory=list)  #: tier 3: ``[layers, seen]`` float16 each
+    drafts: list[tuple[int, int, int, int]] = field(default_factory=list)  #: per drafted token: (forward, step, position, token_id)
     _t0: float = 0.0
     _plan: LayerPlan | None = None
 
     # -- forward lifecycle (called by model hooks) -------------------------------------------------
-    def begin_forward(self, q_len: int) -> None:
-        """Called before every model forward with the number of new tokens."""
+    def begin_forward(self, q_len: int, input_ids: torch.Tensor | None = None) -> None:
+        """Called before every model forward with the number of new tokens (and their ids ``[b, q]``)."""
         self.forward_index += 1
         seen = self.cache.layers[0].seen
         self.q_len = q_len
@@ -124,9 +126,28 @@ class RunContext:
         # Tokens fed beyond the one(s) this forward must process are speculative drafts.
         self.drafts_in_forward = max(0, q_len - max(1, self.input_len - seen))
         self.draft_tokens += self.drafts_in_forward
+        if self.drafts_in_forward and self.tier >= 1:
+            first = seen + q_len - self.drafts_in_forward
+            ids = input_ids[0, -self.drafts_in_forward:].tolist() if input_ids is not None else [-1] * self.drafts_in_forward
+            self.drafts.extend((self.forward_index, self.step, first + i, token) for i, token in enumerate(ids))
         if self.tier >= 3:
             self.step_vectors.append(torch.zeros(self.num_layers, seen + q_len, dtype=torch.float16))
         self._t0 = time.perf_counter()
+
+    def draft_outcomes(self, sequence: list[int]) -> dict[str, np.ndarray]:
+        """Per drafted token: ``drafted.{step,position,token_id,rejected}`` given the final ``sequence``.
+
+        Generation is greedy, so a draft is accepted exactly when it and every earlier draft of its
+        forward equal the tokens the sequence holds at their positions.
+        """
+        rows, forward, agreeing = [], None, True
+        for index, step, position, token in self.drafts:
+            if index != forward:
+                forward, agreeing = index, True
+            agreeing = agreeing and position < len(sequence) and sequence[position] == token
+            rows.append((step, position, token, 0 if agreeing else 1))
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+        return {f"drafted.{name}": table[:, i] for i, name in enumerate(("step", "position", "token_id", "rejected"))}
 
     def end_forward(self) -> None:
         """Called after every model forward."""

@@ -165,6 +165,9 @@ class SparseEngine:
         arrays: dict[str, np.ndarray] = {}
         kept: dict[str, dict[str, list[int]]] | None = None
         records = []
+        drafted = ctx.draft_outcomes(prompt_ids + output_ids)
+        if tier >= 1 and ctx.drafts:
+            arrays.update(drafted)
         if tier >= 1:
             for name, log in (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips)):
                 if len(log):
@@ -210,7 +213,7 @@ class SparseEngine:
             kv_cache_bytes_peak=ctx.peak_bytes,
             kv_cache_bytes_dense=2 * seen * self.num_layers * self.kv_heads * self.head_dim * element,
             draft_tokens=ctx.draft_tokens,
-            draft_rejected=cache.cropped_tokens,
+            draft_rejected=int(drafted["drafted.rejected"].sum()),
             prefill_s=ctx.prefill_s,
             decode_s=ctx.decode_s,
             important_tokens=records,
@@ -234,8 +237,9 @@ def _install_hooks(model: torch.nn.Module) -> None:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
-            ids = kwargs["inputs_embeds"]
-        ctx.begin_forward(int(ids.shape[1]))
+            ctx.begin_forward(int(kwargs["inputs_embeds"].shape[1]))
+        else:
+            ctx.begin_forward(int(ids.shape[1]), ids)
 
     def end(*_: Any) -> None:
         ctx = active_context()
