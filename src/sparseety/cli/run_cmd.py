@@ -10,72 +10,49 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
-from sparseety.errors import InputError
-from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.cli.run_inputs import RunInputs, read_text
 
-
-def read_text(path: Path, what: str) -> str:
-    """Read a UTF-8 text file named by a flag, with a clear error."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {what} {path}: {exc}") from None
+__all__ = ["run", "read_text"]
 
 
 @app.command("run")
 @user_errors
 def run(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
-    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text."),
-    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
-    context_file: Path | None = typer.Option(None, "--context-file", help="Long document, compressed by the policy."),
-    question: str | None = typer.Option(None, "--question", help="Question about --context-file, never compressed."),
-    chat: bool | None = typer.Option(None, "--chat/--no-chat", help="Chat template (default: on for chat models)."),
-    policy: str = typer.Option("dense", "--policy", help="KV policy (see `sparseety policies list`)."),
-    budget: int | None = typer.Option(None, "--budget", help="Tokens kept per layer and KV head."),
-    ratio: float | None = typer.Option(None, "--ratio", help="Fraction of the context removed (kvpress compression_ratio)."),
-    policy_opt: list[str] = typer.Option([], "--policy-opt", help="Policy option key=value (repeatable)."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Generation length limit."),
-    tier: int = typer.Option(2, "--tier", help="0 nothing, 1 counts, 2 tokens and events, 3 per-step vectors."),
-    top_k: int = typer.Option(16, "--top-k", help="Important tokens per layer."),
-    speculative: int | None = typer.Option(None, "--speculative", help="Draft N tokens per step by prompt lookup."),
-    trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help="Where traces are written."),
-    seed: int = typer.Option(0, "--seed", help="Seed for seeded policies."),
-    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
+    model: str = opt.MODEL_OPT,
+    prompt: str | None = opt.PROMPT_OPT,
+    prompt_file: Path | None = opt.PROMPT_FILE_OPT,
+    context_file: Path | None = opt.CONTEXT_FILE_OPT,
+    question: str | None = opt.QUESTION_OPT,
+    chat: bool | None = opt.CHAT_OPT,
+    policy: str = opt.POLICY_OPT,
+    budget: int | None = opt.BUDGET_OPT,
+    ratio: float | None = opt.RATIO_OPT,
+    policy_opt: list[str] = opt.POLICY_OPT_OPT,
+    max_new_tokens: int = opt.MAX_NEW_TOKENS_OPT,
+    tier: int = opt.TIER_OPT,
+    top_k: int = opt.TOP_K_OPT,
+    speculative: int | None = opt.SPECULATIVE_OPT,
+    trace_dir: Path = opt.TRACE_DIR_OPT,
+    seed: int = opt.SEED_OPT,
+    as_json: bool = opt.JSON_OPT,
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
     from sparseety.cli.summary import print_summary
-    from sparseety.engine import SparseEngine, encode_document, encode_prompt
+    from sparseety.engine import SparseEngine
     from sparseety.models import load_model
-    from sparseety.policies import build_policy, parse_policy_opts, resolve_budget
     from sparseety.store import write_trace
 
-    sources = sum(x is not None for x in (prompt, prompt_file, context_file))
-    if sources != 1:
-        raise InputError("give exactly one of --prompt, --prompt-file or --context-file")
-    if (context_file is None) != (question is None):
-        raise InputError("--context-file and --question go together")
-    if tier not in (0, 1, 2, 3):
-        raise InputError(f"--tier must be 0, 1, 2 or 3, got {tier}")
-    if top_k <= 0:
-        raise InputError(f"--top-k must be positive, got {top_k}")
-    options = parse_policy_opts(policy_opt)
-    # Validate policy, budget and options before the model loads (a ratio is checked on a large context).
-    build_policy(policy, resolve_budget(budget, ratio, 1 << 20), options)
-    text = prompt if prompt is not None else None
-    if prompt_file is not None:
-        text = read_text(prompt_file, "--prompt-file")
-    context = read_text(context_file, "--context-file") if context_file is not None else None
+    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
+                       tier, top_k)
+    inputs.check()
+    sources = inputs.read_sources()
 
     lm, tokenizer = load_model(model)
-    if context is not None:
-        encoded = encode_document(tokenizer, context, question or "", chat)
-    else:
-        encoded = encode_prompt(tokenizer, text or "", chat)
-    resolved = resolve_budget(budget, ratio, encoded.compress_len or encoded.input_len)
-    kv_policy = build_policy(policy, resolved, options)
+    encoded = inputs.encode(tokenizer, sources)
+    kv_policy = inputs.policy_for(encoded)
     engine = SparseEngine(lm, tokenizer, model)
 
     stderr = Console(stderr=True)

