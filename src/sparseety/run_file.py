@@ -1,0 +1,247 @@
+"""Run configuration files (``--config FILE``): one reviewed YAML file for a whole experiment.
+
+The file has four sections, each optional::
+
+    model: {path: smollm2-135m, tokenizer_path: null, max_new_tokens: 128}
+    sparsity: {enabled: true, policy: h2o, kv_cache_limit: 2048, attention_topk: 16, token_pruning: true}
+    extraction: {top_k: 16, min_score: 0.05, layers: auto}
+    logging: {level: INFO, output_file: token_trace.jsonl, tier: 2, sample_rate: 1.0}
+
+Every field maps onto a command-line flag (:meth:`RunFile.flag_values`); flags given on the command
+line win over the file. Unknown keys, wrong types and impossible combinations raise
+:class:`ConfigError` naming the key's path in the file and its line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+
+from sparseety.errors import ConfigError
+
+#: ``token_pruning: true`` means this schedule, in fractions of the model's depth.
+DEFAULT_PRUNE_DEPTHS = ((0.25, 0.3), (0.5, 0.5))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """Which model, which tokenizer, how long to generate."""
+
+    path: StrictStr | None = None
+    tokenizer_path: StrictStr | None = None
+    max_new_tokens: StrictInt | None = Field(None, gt=0)
+
+
+class SparsitySection(_Section):
+    """The KV policy and its budget, top-k attention and token pruning."""
+
+    enabled: StrictBool = True
+    policy: StrictStr | None = None
+    kv_cache_limit: StrictInt | None = Field(None, gt=0)
+    ratio: StrictFloat | None = Field(None, ge=0, lt=1)
+    attention_topk: StrictInt | None = Field(None, gt=0)
+    token_pruning: StrictBool | StrictStr = False
+    policy_opts: dict[StrictStr, StrictStr | StrictInt | StrictFloat | StrictBool] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.kv_cache_limit is not None and self.ratio is not None:
+            raise ValueError("sparsity.kv_cache_limit and sparsity.ratio both set: give one budget")
+        if not self.enabled:
+            set_keys = [k for k in ("policy", "kv_cache_limit", "ratio", "attention_topk") if getattr(self, k) is not None]
+            if self.token_pruning:
+                set_keys.append("token_pruning")
+            if set_keys:
+                raise ValueError(f"sparsity.enabled is false but sparsity.{set_keys[0]} is set")
+        if self.policy is not None:
+            from sparseety.policies.registry import get_policy_class
+
+            try:
+                get_policy_class(self.policy)
+            except ConfigError as exc:
+                raise ValueError(f"sparsity.policy: {exc}") from None
+        if self.policy == "topk_attention" and self.attention_topk is not None and self.kv_cache_limit is not None \
+                and self.attention_topk != self.kv_cache_limit:
+            raise ValueError("policy topk_attention takes its k from sparsity.attention_topk; "
+                             f"sparsity.kv_cache_limit ({self.kv_cache_limit}) contradicts it ({self.attention_topk})")
+        return self
+
+
+class ExtractionSection(_Section):
+    """How many important tokens, above which score, at which layers."""
+
+    top_k: StrictInt | None = Field(None, gt=0)
+    min_score: StrictFloat | None = Field(None, ge=0, lt=1)
+    layers: Literal["all", "auto"] | list[StrictInt] | StrictStr | None = None
+
+
+class LoggingSection(_Section):
+    """Log level, a JSONL copy of each run, trace tier and sampling."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    output_file: StrictStr | None = None
+    tier: StrictInt | None = Field(None, ge=0, le=3)
+    sample_rate: StrictFloat | StrictInt | None = Field(None, ge=0, le=1)
+
+
+class RunFile(_Section):
+    """A whole run configuration file."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    sparsity: SparsitySection = Field(default_factory=SparsitySection)
+    extraction: ExtractionSection = Field(default_factory=ExtractionSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunFile:
+        """Read and validate ``path``; errors name the key path and its line in the file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = yaml.safe_load(text)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a config file holds one mapping of sections, got {type(data).__name__}")
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"{path}: " + "; ".join(_problems(exc, text))) from None
+
+    def flag_values(self, num_layers: int | None = None) -> dict[str, tuple[tuple[str, ...], Any]]:
+        """What this file sets: ``{file key: (command parameter names that take it, value)}``.
+
+        A key maps to the first of its parameter names that a command has (``serve`` calls the
+        generation limit ``max_tokens``, ``run`` calls it ``max_new_tokens``).
+        """
+        m, s, e, g = self.model, self.sparsity, self.extraction, self.logging
+        layers = ",".join(map(str, e.layers)) if isinstance(e.layers, list) else e.layers
+        values: dict[str, tuple[tuple[str, ...], Any]] = {
+            "model.path": (("model",), m.path),
+            "model.tokenizer_path": (("tokenizer",), m.tokenizer_path),
+            "model.max_new_tokens": (("max_new_tokens", "max_tokens"), m.max_new_tokens),
+            "extraction.top_k": (("top_k",), e.top_k),
+            "extraction.min_score": (("min_score",), e.min_score),
+            "extraction.layers": (("layers",), layers),
+            "logging.tier": (("tier",), g.tier),
+            "logging.sample_rate": (("sample_rate",), g.sample_rate),
+            "logging.output_file": (("jsonl",), g.output_file),
+        }
+        if not s.enabled:
+            values["sparsity.enabled"] = (("policy",), "dense")
+        else:
+            topk_policy = s.policy == "topk_attention"
+            values.update({
+                "sparsity.policy": (("policy",), s.policy),
+                "sparsity.kv_cache_limit": (("budget",), None if topk_policy else s.kv_cache_limit),
+                "sparsity.ratio": (("ratio",), s.ratio),
+                "sparsity.attention_topk": (("budget",) if topk_policy else ("attention_topk",), s.attention_topk),
+                "sparsity.policy_opts": (("policy_opt",), [f"{k}={v}" for k, v in s.policy_opts.items()] or None),
+                "sparsity.token_pruning": (("prune_schedule",), self.prune_schedule(num_layers)),
+            })
+        return {key: entry for key, entry in values.items() if entry[1] is not None}
+
+    def prune_schedule(self, num_layers: int | None = None) -> str | None:
+        """``token_pruning`` as a schedule string: a string as written, ``true`` as the default schedule."""
+        pruning = self.sparsity.token_pruning
+        if isinstance(pruning, str):
+            return pruning
+        if not pruning:
+            return None
+        layers = num_layers or 30
+        return ",".join(f"{max(0, int(layers * depth) - 1)}:{fraction}" for depth, fraction in DEFAULT_PRUNE_DEPTHS)
+
+
+def _problems(exc: ValidationError, text: str) -> list[str]:
+    """One readable line per validation problem, with the key path and its line in the file."""
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err["loc"] if not str(part).startswith(("function-", "literal[", "list[", "str", "bool", "int", "float"))]
+        key = ".".join(loc)
+        where = _line_of(text, loc)
+        at = f" (line {where})" if where else ""
+        if err["type"] == "extra_forbidden":
+            section = _section_model(loc[:-1])
+            known = ", ".join(section.model_fields) if section else ""
+            out.append(f"unknown key {key!r}{at}; known keys here: {known}")
+        elif err["type"] == "value_error":
+            message = str(err.get("ctx", {}).get("error", err["msg"]))
+            out.append(f"{message}{at}")
+        else:
+            allowed = err["msg"].replace("Input should be", "must be")
+            out.append(f"{key or 'file'} {allowed}, got {err['input']!r}{at}")
+    return list(dict.fromkeys(out))
+
+
+def _section_model(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunFile
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _line_of(text: str, loc: list[str]) -> int | None:
+    """1-based line of the key at ``loc`` in the YAML ``text`` (None when not found)."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for key_node, value_node in node.value:
+            if key_node.value == part:
+                line, node = key_node.start_mark.line + 1, value_node
+                break
+        else:
+            break
+    return line
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_run_file(fn: F) -> F:
+    """Let a command take ``--config FILE``: values from the file fill every flag not given on the command line.
+
+    The command must declare a ``config`` parameter and a ``typer.Context`` parameter. File keys the command has no flag for are reported
+    on stderr, never dropped silently. ``logging.level`` sets the level of the ``sparseety`` logger.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        path = kwargs.get("config")
+        if path is not None:
+            run_file = RunFile.load(path)
+            ctx = next((v for v in (*args, *kwargs.values()) if hasattr(v, "get_parameter_source")), None)
+            if ctx is None:
+                raise TypeError(f"{fn.__name__} takes --config but no typer.Context parameter")
+            for key, (names, value) in run_file.flag_values().items():
+                name = next((n for n in names if n in kwargs), None)
+                if name is None:
+                    print(f"note: {path}: {key} does not apply to `{ctx.info_name}`; ignored", file=sys.stderr)
+                elif getattr(ctx.get_parameter_source(name), "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
+                    kwargs[name] = value
+            logging.getLogger("sparseety").setLevel(run_file.logging.level)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
