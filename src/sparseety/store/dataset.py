@@ -1,0 +1,114 @@
+"""The on-disk layout of a trace dataset and its version marker.
+
+``<trace_dir>/_sparseety_dataset.json`` marks a dataset (format and ``schema_version``); data
+files are ``<trace_dir>/<table>/date=YYYY-MM-DD/part-<uuid>.parquet``. Each file is written to a
+dot-prefixed temporary name in its folder and renamed into place, so readers (which glob
+``part-*.parquet``; pyarrow and Spark skip dot files anyway) never see half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from datetime import date
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sparseety.errors import RecordError
+from sparseety.schema import SCHEMA_VERSION
+from sparseety.store.tables import TABLES, file_schema
+
+MARKER = "_sparseety_dataset.json"
+FORMAT = "sparseety-trace-dataset"
+TEMP_PREFIX = ".part-"
+
+
+def major(version: str) -> int:
+    """The major number of a ``MAJOR.MINOR`` schema version."""
+    try:
+        return int(str(version).split(".", 1)[0])
+    except ValueError:
+        raise RecordError(f"schema version {version!r} is not MAJOR.MINOR") from None
+
+
+def check_version(version: str, where: str) -> None:
+    """Refuse data written with a newer major schema version than this library reads."""
+    if major(version) > major(SCHEMA_VERSION):
+        raise RecordError(
+            f"{where} was written with schema version {version}, newer than this sparseety reads "
+            f"({SCHEMA_VERSION}); upgrade sparseety to read it"
+        )
+
+
+def table_glob(root: Path, table: str) -> str:
+    """The glob of ``table``'s committed files."""
+    return str(root / table / "date=*" / "part-*.parquet")
+
+
+def table_files(root: Path, table: str) -> list[Path]:
+    """``table``'s committed files (temporary files excluded)."""
+    return sorted((root / table).glob("date=*/part-*.parquet"))
+
+
+def open_dataset(path: str | Path) -> Path:
+    """The root of an existing dataset at ``path``; a clear :class:`RecordError` when there is none.
+
+    Raises
+    ------
+    RecordError
+        ``path`` does not exist, is not a trace dataset, or was written by a newer major schema.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise RecordError(f"trace directory {root} does not exist")
+    if not root.is_dir():
+        raise RecordError(f"trace directory {root} is not a directory")
+    marker = root / MARKER
+    if not marker.is_file():
+        raise RecordError(f"{root} is not a sparseety trace dataset (no {MARKER}; write one with `sparseety run`)")
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RecordError(f"cannot read {marker}: {exc}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT or "schema_version" not in info:
+        raise RecordError(f"{marker} is not a sparseety dataset marker")
+    check_version(str(info["schema_version"]), f"trace dataset {root}")
+    return root
+
+
+def create_dataset(path: str | Path) -> Path:
+    """``path`` as a dataset root, creating it and its marker when missing (refuses a newer major)."""
+    root = Path(path)
+    if (root / MARKER).is_file():
+        return open_dataset(root)
+    if root.exists() and not root.is_dir():
+        raise RecordError(f"trace directory {root} is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    marker = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "tables": list(TABLES)}
+    _atomic_bytes(root / MARKER, json.dumps(marker, indent=1).encode())
+    return root
+
+
+def write_part(root: Path, table: str, day: date, data: pa.Table, *, compression: str = "zstd") -> Path:
+    """Write ``data`` as one new file of ``table``'s ``day`` partition, atomically; returns its path."""
+    folder = root / table / f"date={day.isoformat()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"part-{uuid.uuid4().hex}.parquet"
+    final = folder / name
+    tmp = folder / f".{name}.tmp"
+    try:
+        pq.write_table(data.cast(file_schema(table)), tmp, compression=compression)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return final
+
+
+def _atomic_bytes(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_bytes(payload)
+    os.replace(tmp, path)

@@ -1,0 +1,261 @@
+"""Reading a trace dataset: DuckDB views over its tables, one request back as a :class:`StoredTrace`,
+and request summaries.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sparseety.errors import RecordError
+from sparseety.schema import TokenRecord
+from sparseety.store.dataset import check_version, open_dataset, table_files, table_glob
+from sparseety.store.tables import VERSION_KEY
+from sparseety.store.rows import DRAFT_COLUMNS, DRAFT_EVENTS, DRAFT_GROUP, EVENT_COLUMNS
+from sparseety.store.tables import TABLES
+
+VIEWS = tuple(TABLES)
+
+
+@dataclass
+class StoredTrace:
+    """One stored request.
+
+    Attributes
+    ----------
+    document : the ``sparseety run --json`` object plus ``prompt_token_ids``, ``token_texts``,
+        ``provenance`` and any ``extra`` sections.
+    arrays : the run's arrays (:attr:`RunResult.arrays` names and dtypes).
+    path : the ``requests`` file holding the request.
+    """
+
+    document: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    path: Path
+
+    @property
+    def request_id(self) -> str:
+        return str(self.document["request_id"])
+
+    @property
+    def tier(self) -> int:
+        return int(self.document["tier"])
+
+    def _repr_html_(self) -> str:
+        from sparseety.report import render_html
+
+        return render_html(self)
+
+
+def connect(trace_dir: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with views ``requests``, ``token_events``, ``important_tokens``,
+    ``signals`` over the dataset (with the Hive ``date`` column); a table without files yet is an empty view.
+
+    Raises
+    ------
+    RecordError
+        Not a dataset, or a file written with a newer major schema version.
+    """
+    root = open_dataset(trace_dir)
+    con = duckdb.connect(":memory:")
+    for table in VIEWS:
+        files = table_files(root, table)
+        if files:
+            _check_files(con, table_glob(root, table))
+            glob = table_glob(root, table).replace("'", "''")
+            con.execute(
+                f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{glob}', hive_partitioning = true, "
+                f"union_by_name = true)"
+            )
+        else:
+            empty = TABLES[table].empty_table().append_column("date", pa.array([], pa.date32()))
+            con.register(f"_empty_{table}", empty)
+            con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
+    return con
+
+
+def _check_files(con: duckdb.DuckDBPyConnection, glob: str) -> None:
+    rows = con.sql(
+        "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
+        params=[glob, VERSION_KEY.decode()],
+    ).fetchall()
+    for file_name, version in rows:
+        check_version(version, f"trace file {file_name}")
+
+
+def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
+    """Read one request back.
+
+    Parameters
+    ----------
+    path : the dataset root, or a ``requests`` file inside it (what ``write_trace`` returned).
+    request_id : the request to read; None: the one in the ``requests`` file, or the newest.
+
+    Raises
+    ------
+    RecordError
+        Missing or not a dataset, newer major schema, or no such request.
+    """
+    given = Path(path)
+    root, file = _root_of(given)
+    con = connect(root)
+    if request_id is None and file is not None:
+        pq_meta = pq.read_schema(file).metadata or {}
+        check_version(pq_meta.get(VERSION_KEY, b"0.0").decode(), f"trace file {file}")
+        ids = pq.read_table(file, columns=["request_id", "created_at"]).to_pylist()
+        if not ids:
+            raise RecordError(f"{file} holds no request")
+        request_id = max(ids, key=lambda r: r["created_at"])["request_id"]
+    if request_id is None:
+        newest = _arrow(con, "SELECT request_id FROM requests ORDER BY created_at DESC, request_id LIMIT 1", [])
+        if newest.num_rows == 0:
+            raise RecordError(f"trace dataset {root} holds no request yet")
+        request_id = newest.column("request_id")[0].as_py()
+    found = _arrow(
+        con,
+        "SELECT *, filename AS _file FROM read_parquet(?, hive_partitioning = true, union_by_name = true, "
+        "filename = true) WHERE request_id = ? ORDER BY created_at DESC LIMIT 1",
+        [table_glob(root, "requests"), request_id],
+    ) if table_files(root, "requests") else None
+    if found is None or found.num_rows == 0:
+        raise RecordError(f"no request with id {request_id!r} in {root}")
+    request = found.to_pylist()[0]
+    document = _document(request)
+    manifest = document.pop("arrays", {}) or {}
+    arrays = {**_event_arrays(con, request_id, manifest), **_signal_arrays(con, request_id, manifest)}
+    document["important_tokens"] = _records(con, request_id)
+    document["trace_path"] = str(request["_file"])
+    return StoredTrace(document=document, arrays=arrays, path=Path(request["_file"]))
+
+
+def _root_of(path: Path) -> tuple[Path, Path | None]:
+    """The dataset root and, when ``path`` is a ``requests`` file, that file."""
+    if path.is_file() and path.suffix == ".parquet":
+        root = path.parent.parent.parent
+        if path.parent.parent.name != "requests":
+            raise RecordError(f"{path} is not a requests file of a trace dataset")
+        return root, path
+    return path, None
+
+
+def _document(request: dict[str, Any]) -> dict[str, Any]:
+    document = json.loads(request["document_json"])
+    document["request_id"] = request["request_id"]
+    document["text"] = request["text"]
+    prompt = request["prompt_token_ids"]
+    document["prompt_token_ids"] = list(prompt) if prompt is not None else []
+    output = request["output_token_ids"]
+    document["output_token_ids"] = list(output) if output is not None else []
+    document["token_texts"] = list(request["token_texts"] or [])
+    document["created_at"] = request["created_at"].isoformat()
+    document["sample_rate"] = request["sample_rate"]
+    document["redacted"] = request["redacted"]
+    document["ids_only"] = request["ids_only"]
+    if request["extra_json"]:
+        document.update(json.loads(request["extra_json"]))
+    return document
+
+
+def _event_arrays(con: duckdb.DuckDBPyConnection, request_id: str, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
+    groups = sorted({e["group"] for e in manifest.values() if e["table"] == "token_events"})
+    if not groups:
+        return {}
+    events = [f"{g}" for g in groups if g != DRAFT_GROUP] + (list(DRAFT_EVENTS) if DRAFT_GROUP in groups else [])
+    table = _arrow(
+        con,
+        "SELECT event, seq, step, layer, kv_head, position, token_id, score FROM token_events "
+        "WHERE request_id = ? AND list_contains(?, event) ORDER BY event, seq",
+        [request_id, events],
+    )
+    event = np.asarray(table.column("event").to_pylist(), dtype=object)
+    columns = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    out: dict[str, np.ndarray] = {}
+    for group in groups:
+        if group == DRAFT_GROUP:
+            rows = np.isin(event, DRAFT_EVENTS)
+            order = np.argsort(columns["seq"][rows], kind="stable")
+            picked = {c: columns[c][rows][order] for c in ("step", "position", "token_id")}
+            picked["rejected"] = (event[rows][order] == DRAFT_EVENTS[1]).astype(np.int64)
+            names = DRAFT_COLUMNS
+        else:
+            rows = event == group
+            picked = {c: columns[c][rows] for c in EVENT_COLUMNS}
+            names = EVENT_COLUMNS
+        for column in names:
+            name = f"{group}.{column}"
+            entry = manifest[name]
+            out[name] = np.asarray(picked[column]).astype(np.dtype(entry["dtype"])).reshape(entry["shape"])
+    return out
+
+
+def _signal_arrays(con: duckdb.DuckDBPyConnection, request_id: str, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
+    names = [name for name, e in manifest.items() if e["table"] == "signals"]
+    if not names:
+        return {}
+    table = _arrow(
+        con,
+        "SELECT name, row, values, int_values FROM signals WHERE request_id = ? ORDER BY name, row",
+        [request_id],
+    )
+    out: dict[str, np.ndarray] = {}
+    all_names = np.asarray(table.column("name").to_pylist(), dtype=object)
+    for name in names:
+        entry = manifest[name]
+        dtype, shape = np.dtype(entry["dtype"]), entry["shape"]
+        rows = np.flatnonzero(all_names == name)
+        column = "int_values" if dtype.kind in "biu" else "values"
+        if len(rows):
+            lists = table.column(column).take(pa.array(rows)).combine_chunks()
+            flat = lists.flatten().to_numpy(zero_copy_only=False)
+        else:
+            flat = np.zeros(0)
+        if flat.size != int(np.prod(shape)):
+            raise RecordError(f"stored signal {name!r} of request {request_id} has {flat.size} values, "
+                              f"expected shape {shape}")
+        out[name] = flat.astype(dtype).reshape(shape)
+    return out
+
+
+def _records(con: duckdb.DuckDBPyConnection, request_id: str) -> list[dict[str, Any]]:
+    rows = _arrow(
+        con,
+        "SELECT token_id, position, score, layer, step, head, rank, token_type, text, experts "
+        "FROM important_tokens WHERE request_id = ? ORDER BY seq",
+        [request_id],
+    ).to_pylist()
+    records = []
+    for row in rows:
+        experts = row.pop("experts")
+        row["experts"] = None if experts is None else [[e["expert_id"], e["prob"]] for e in experts]
+        records.append(TokenRecord.from_dict(row).to_dict())
+    return records
+
+
+def _arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any]) -> pa.Table:
+    """Run ``sql`` with ``params`` and return the result as an Arrow table."""
+    return con.sql(sql, params=params).to_arrow_table()
+
+
+def list_traces(trace_dir: str | Path, limit: int = 20) -> list[dict[str, Any]]:
+    """Summaries of the newest ``limit`` requests, newest first."""
+    if limit <= 0:
+        raise RecordError(f"limit must be positive, got {limit}")
+    con = connect(trace_dir)
+    table = _arrow(
+        con,
+        "SELECT request_id, created_at, model, policy, budget, tier, prompt_tokens, completion_tokens, "
+        "evicted_positions, eviction_events, draft_rejected, kv_cache_bytes_peak, prefill_s, decode_s "
+        "FROM requests ORDER BY created_at DESC, request_id LIMIT ?",
+        [limit],
+    )
+    rows = table.to_pylist()
+    for row in rows:
+        row["created_at"] = row["created_at"].isoformat()
+    return rows

@@ -1,0 +1,318 @@
+"""``TraceWriter``: a bounded queue and one background thread that batch rows and commit Parquet files.
+
+The producer (a serving thread) only calls :meth:`TraceWriter.submit`, which never waits: when the
+queue is full the record is dropped and counted. The thread converts records to rows (privacy and
+sampling applied), batches them per table and partition, and commits a batch when it holds
+``batch_rows`` rows or is ``flush_interval_s`` old. A batch's ``requests`` file is renamed into
+place last, so a request that readers can see has all its rows committed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from sparseety.errors import ConfigError, SparseetyError
+from sparseety.store.dataset import create_dataset, write_part
+from sparseety.store.rows import RequestRows, StoreOptions, request_rows
+from sparseety.store.sampling import check_rate, should_sample
+from sparseety.store.tables import TABLES
+
+if TYPE_CHECKING:
+    from sparseety.engine.result import RunResult
+
+_TABLE_ORDER = ("token_events", "important_tokens", "signals", "requests")  # requests last: visibility
+
+
+@dataclass(frozen=True)
+class WriterStats:
+    """Counters of one :class:`TraceWriter`.
+
+    Attributes
+    ----------
+    accepted : records ``submit`` put on the queue.
+    dropped_records : records ``submit`` dropped because the queue was full.
+    committed_requests : requests whose rows are all in committed files.
+    committed_files : Parquet files renamed into place.
+    failed_records : accepted records lost to a conversion or write error.
+    queue_depth : records waiting in the queue now.
+    last_error : the most recent error in the writer thread, or None.
+    """
+
+    accepted: int
+    dropped_records: int
+    committed_requests: int
+    committed_files: int
+    failed_records: int
+    queue_depth: int
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One committed batch: its request ids and the files it added (``requests`` files last)."""
+
+    request_ids: list[str]
+    files: list[Path]
+
+
+@dataclass
+class _Item:
+    result: RunResult
+    sample_rate: float
+    extra: dict[str, Any] | None
+    created: float
+
+
+@dataclass
+class _Flush:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_STOP = object()
+
+
+class TraceWriter:
+    """Asynchronous, crash-safe writer of a trace dataset.
+
+    Parameters
+    ----------
+    trace_dir : dataset root (created with its marker when missing).
+    queue_size : most records waiting; beyond it ``submit`` drops and counts.
+    redact : replace secrets in stored text with typed placeholders.
+    ids_only : store token ids and no text at all.
+    batch_rows : commit once a batch holds this many rows in any table.
+    flush_interval_s : commit a batch at the latest this long after its first record.
+    compression : Parquet codec (``zstd``; ``none`` lets tests read the raw bytes).
+    on_commit : called in the writer thread after each committed batch.
+    """
+
+    def __init__(
+        self,
+        trace_dir: str | Path,
+        *,
+        queue_size: int = 1024,
+        redact: bool = False,
+        ids_only: bool = False,
+        batch_rows: int = 200_000,
+        flush_interval_s: float = 1.0,
+        compression: str = "zstd",
+        on_commit: Callable[[Commit], None] | None = None,
+    ) -> None:
+        if queue_size <= 0:
+            raise ConfigError(f"queue_size must be positive, got {queue_size}")
+        if batch_rows <= 0 or flush_interval_s <= 0:
+            raise ConfigError("batch_rows and flush_interval_s must be positive")
+        self.root = create_dataset(trace_dir)
+        self.options = StoreOptions(redact=redact, ids_only=ids_only)
+        self.compression = compression
+        self.batch_rows = batch_rows
+        self.flush_interval_s = flush_interval_s
+        self.on_commit = on_commit
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self._accepted = self._dropped = 0
+        self._committed_requests = self._committed_files = self._failed = 0
+        self._last_error: str | None = None
+        self._paths: dict[str, Path] = {}
+        self._closed = False
+        self._paused = threading.Event()
+        self._idle = threading.Event()
+        self._pending: list[RequestRows] = []
+        self._pending_rows = 0
+        self._pending_since = 0.0
+        self._thread = threading.Thread(target=self._run, name="sparseety-trace-writer", daemon=True)
+        self._thread.start()
+
+    # -- producer side ---------------------------------------------------------------------------
+    def submit(self, result: RunResult, *, sample_rate: float = 1.0, extra: dict[str, Any] | None = None) -> bool:
+        """Queue ``result`` without waiting; False when the queue was full (dropped and counted).
+
+        The request keeps its run's tier when ``should_sample(request_id, sample_rate)`` holds or it
+        ran at tier 3 (forced); otherwise only its tier-1 part (counts, timings) is stored. Do not
+        change ``result`` after submitting it.
+        """
+        if self._closed:
+            raise SparseetyError("trace writer is closed")
+        try:
+            self._queue.put_nowait(_Item(result, sample_rate, extra, time.time()))
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+            return False
+        with self._lock:
+            self._accepted += 1
+        return True
+
+    def stats(self) -> WriterStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return WriterStats(
+                accepted=self._accepted, dropped_records=self._dropped,
+                committed_requests=self._committed_requests, committed_files=self._committed_files,
+                failed_records=self._failed, queue_depth=self._queue.qsize(), last_error=self._last_error,
+            )
+
+    def path_of(self, request_id: str) -> Path | None:
+        """The committed ``requests`` file holding ``request_id`` (written by this writer), or None."""
+        with self._lock:
+            return self._paths.get(request_id)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Commit everything accepted so far; True when done within ``timeout`` seconds."""
+        if not self._thread.is_alive():
+            return self._queue.empty()
+        marker = _Flush()
+        self._queue.put(marker)
+        return marker.done.wait(timeout)
+
+    def pause(self) -> None:
+        """Stop taking records off the queue (records keep being accepted until it is full)."""
+        self._idle.clear()
+        self._paused.set()
+        self._idle.wait()
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._paused.clear()
+
+    def close(self) -> WriterStats:
+        """Commit everything accepted, stop the thread and return the final stats (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._paused.clear()
+            self._queue.put(_STOP)
+            self._thread.join()
+        return self.stats()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # -- writer thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            if self._paused.is_set():
+                self._idle.set()
+                time.sleep(0.005)
+                continue
+            timeout = self._time_left()
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._commit()
+                continue
+            if item is _STOP:
+                self._commit()
+                return
+            if isinstance(item, _Flush):
+                self._commit()
+                item.done.set()
+                continue
+            self._add(item)
+            if self._pending_rows >= self.batch_rows or self._time_left() == 0.0:
+                self._commit()
+
+    def _time_left(self) -> float:
+        if not self._pending:
+            return 0.05
+        return max(0.0, self._pending_since + self.flush_interval_s - time.monotonic())
+
+    def _add(self, item: _Item) -> None:
+        try:
+            rate = check_rate(item.sample_rate)
+            rows = request_rows(
+                item.result, self.options, sample_rate=rate,
+                sampled=should_sample(item.result.request_id, rate), extra=item.extra,
+                created_at=datetime.fromtimestamp(item.created, UTC),
+            )
+        except Exception as exc:  # a bad record is counted, never kills the thread
+            self._fail(1, exc)
+            return
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending.append(rows)
+        self._pending_rows += max(t.num_rows for t in rows.tables.values())
+
+    def _commit(self) -> None:
+        batch, self._pending, self._pending_rows = self._pending, [], 0
+        if not batch:
+            return
+        try:
+            commit = commit_rows(self.root, batch, compression=self.compression)
+        except Exception as exc:
+            self._fail(len(batch), exc)
+            return
+        requests = [p for p in commit.files if p.parent.parent.name == "requests"]
+        with self._lock:
+            self._committed_requests += len(batch)
+            self._committed_files += len(commit.files)
+            for rows in batch:
+                day = f"date={rows.created_at.date().isoformat()}"
+                self._paths[rows.request_id] = next(p for p in requests if p.parent.name == day)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(commit)
+            except Exception as exc:
+                self._record_error(exc)
+
+    def _fail(self, count: int, exc: BaseException) -> None:
+        with self._lock:
+            self._failed += count
+        self._record_error(exc)
+
+    def _record_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+
+
+def commit_rows(root: Path, batch: list[RequestRows], *, compression: str = "zstd") -> Commit:
+    """Write ``batch`` as one file per table and day partition, ``requests`` files last."""
+    by_day: dict[date, list[RequestRows]] = {}
+    for rows in batch:
+        by_day.setdefault(rows.created_at.date(), []).append(rows)
+    files: list[Path] = []
+    for table in _TABLE_ORDER:
+        for day, group in sorted(by_day.items()):
+            parts = [rows.tables[table] for rows in group if table in rows.tables]
+            if parts:
+                data = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+                files.append(write_part(root, table, day, data, compression=compression))
+    assert set(_TABLE_ORDER) == set(TABLES)
+    return Commit(request_ids=[rows.request_id for rows in batch], files=files)
+
+
+def write_trace(
+    result: RunResult,
+    trace_dir: str | Path,
+    *,
+    extra: dict[str, Any] | None = None,
+    redact: bool = False,
+    ids_only: bool = False,
+    sample_rate: float = 1.0,
+    created_at: datetime | None = None,
+    compression: str = "zstd",
+) -> Path:
+    """Store ``result`` now (synchronously) and return its ``requests`` file.
+
+    ``load_trace`` accepts that path (it names the request), as it accepts the dataset root.
+    Errors raise here instead of being counted as in :class:`TraceWriter`.
+    """
+    root = create_dataset(trace_dir)
+    rate = check_rate(sample_rate)
+    rows = request_rows(
+        result, StoreOptions(redact=redact, ids_only=ids_only), sample_rate=rate,
+        sampled=should_sample(result.request_id, rate), extra=extra, created_at=created_at,
+    )
+    commit = commit_rows(root, [rows], compression=compression)
+    return commit.files[-1]
