@@ -1,0 +1,183 @@
+"""``tune``: the smallest budget whose teacher-forced fidelity (or passkey accuracy) meets a bar.
+
+The search is a bisection over budgets ``lo, lo + step, ..., hi``: it evaluates ``hi`` (if even that
+fails there is no answer), then ``lo``, then halves the interval between a failing and a meeting
+budget. The answer therefore always meets the bar and the budget one ``step`` below it does not.
+Fidelity usually improves with the budget; where it does not, the answer is the boundary the
+bisection found, and the curve shows every budget it evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sparseety.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sparseety.bench.passkey import PasskeyCase
+    from sparseety.engine import EncodedInput, SparseEngine
+
+#: metric -> (higher is better, smallest valid threshold, largest valid threshold)
+METRICS: dict[str, tuple[bool, float, float]] = {
+    "top1_agreement": (True, 0.0, 1.0),
+    "mean_kl": (False, 0.0, float("inf")),
+    "passkey": (True, 0.0, 1.0),
+}
+
+
+def check_metric(metric: str, threshold: float) -> None:
+    """Reject unknown metrics and thresholds outside the metric's range."""
+    if metric not in METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; valid metrics: {', '.join(METRICS)}")
+    _, low, high = METRICS[metric]
+    if not low <= threshold <= high:
+        upper = "" if high == float("inf") else f" and <= {high:g}"
+        raise ConfigError(f"--threshold for {metric} must be >= {low:g}{upper}, got {threshold:g}")
+
+
+def meets(metric: str, value: float, threshold: float) -> bool:
+    """Whether ``value`` meets the bar (>= for agreement and accuracy, <= for KL)."""
+    return value >= threshold if METRICS[metric][0] else value <= threshold
+
+
+@dataclass(frozen=True)
+class TunePoint:
+    budget: int
+    ratio: float
+    value: float
+    meets: bool
+
+
+@dataclass
+class TuneResult:
+    """The evaluated curve (ascending budget) and the answer (None when even the largest budget fails)."""
+
+    policy: str
+    metric: str
+    threshold: float
+    curve: list[TunePoint] = field(default_factory=list)
+    answer: TunePoint | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        answer = None if self.answer is None else {k: v for k, v in asdict(self.answer).items() if k != "meets"}
+        return {"kind": "tune", "policy": self.policy, "metric": self.metric, "threshold": self.threshold,
+                "curve": [asdict(p) for p in self.curve], "answer": answer}
+
+
+def bisect_budget(ok: Callable[[int], bool], lo: int, hi: int, step: int = 1) -> int | None:
+    """Smallest budget on the grid ``lo, lo+step, ..., hi`` (``hi`` always included) at a boundary of ``ok``.
+
+    Returns a budget ``b`` with ``ok(b)`` and ``b == lo`` or ``not ok(previous grid point)``; None when
+    ``ok(hi)`` is false. ``ok`` is called O(log n) times.
+    """
+    if step <= 0:
+        raise ConfigError(f"--step must be positive, got {step}")
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"need 1 <= --min-budget <= --max-budget, got {lo} and {hi}")
+    grid = list(range(lo, hi, step)) + [hi]
+    if not ok(grid[-1]):
+        return None
+    if ok(grid[0]):
+        return grid[0]
+    bad, good = 0, len(grid) - 1
+    while good - bad > 1:
+        mid = (bad + good) // 2
+        if ok(grid[mid]):
+            good = mid
+        else:
+            bad = mid
+    return grid[good]
+
+
+def smallest_valid_budget(policy: str, options: dict[str, Any], upper: int) -> int:
+    """The smallest budget ``build_policy`` accepts for ``policy`` with ``options`` (at most ``upper``)."""
+    from sparseety.policies import build_policy
+
+    for budget in range(1, upper + 1):
+        try:
+            build_policy(policy, budget, options)
+            return budget
+        except ConfigError:
+            continue
+    build_policy(policy, upper, options)  # raises the policy's own message
+    return upper
+
+
+def _search(policy: str, metric: str, threshold: float, evaluate: Callable[[int], float], lo: int, hi: int,
+            step: int, context_len: float) -> TuneResult:
+    result = TuneResult(policy=policy, metric=metric, threshold=threshold)
+    seen: dict[int, TunePoint] = {}
+
+    def ok(budget: int) -> bool:
+        if budget not in seen:
+            value = float(evaluate(budget))
+            seen[budget] = TunePoint(budget, round(max(0.0, 1.0 - budget / context_len), 6), value,
+                                     meets(metric, value, threshold))
+        return seen[budget].meets
+
+    answer = bisect_budget(ok, lo, hi, step)
+    result.curve = [seen[b] for b in sorted(seen)]
+    result.answer = None if answer is None else seen[answer]
+    return result
+
+
+def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metric: str, threshold: float, *,
+                  options: dict[str, Any] | None = None, max_new_tokens: int = 64, min_budget: int | None = None,
+                  max_budget: int | None = None, step: int = 1, seed: int = 0) -> TuneResult:
+    """Search the budget of ``policy`` on one input by teacher-forced ``top1_agreement`` or ``mean_kl``.
+
+    The dense output is generated once; each budget costs one teacher-forced pass of the sparse policy.
+    ``max_budget`` defaults to a budget that never evicts (the compressed context for the
+    long-document protocol, else prompt plus output).
+    """
+    from sparseety.analysis.compare import dense_policy
+    from sparseety.analysis.fidelity import fidelity, teacher_forced_logprobs
+    from sparseety.policies import build_policy
+
+    check_metric(metric, threshold)
+    if metric == "passkey":
+        raise ConfigError("the passkey metric builds its own cases; use tune_passkey")
+    options = options or {}
+    context_len = encoded.compress_len or encoded.input_len
+    hi = max_budget or (encoded.compress_len or encoded.input_len + max_new_tokens)
+    lo = min_budget or smallest_valid_budget(policy, options, hi)
+    baseline = engine.generate(encoded, dense_policy(), max_new_tokens=max_new_tokens, tier=0, seed=seed)
+    targets = baseline.output_ids
+    dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=seed)
+
+    def evaluate(budget: int) -> float:
+        sparse_lp = teacher_forced_logprobs(engine, encoded, build_policy(policy, budget, options), targets, seed=seed)
+        return getattr(fidelity(dense_lp, sparse_lp, targets), metric)
+
+    return _search(policy, metric, threshold, evaluate, lo, hi, step, context_len)
+
+
+def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str, threshold: float, *,
+                 options: dict[str, Any] | None = None, max_new_tokens: int = 16, min_budget: int | None = None,
+                 max_budget: int | None = None, step: int = 1, seed: int = 0, chat: bool | None = None) -> TuneResult:
+    """Search the budget of ``policy`` by passkey accuracy over ``cases`` (long-document protocol)."""
+    from sparseety.bench.passkey import QUESTION, is_correct
+    from sparseety.engine import encode_document
+    from sparseety.policies import build_policy
+
+    check_metric("passkey", threshold)
+    if not cases:
+        raise ConfigError("the passkey metric needs at least one case")
+    options = options or {}
+    encoded = [encode_document(engine.tokenizer, c.context, QUESTION, chat) for c in cases]
+    longest = max(e.compress_len or 0 for e in encoded)
+    mean_len = sum(e.compress_len or 0 for e in encoded) / len(encoded)
+    hi = max_budget or longest
+    lo = min_budget or smallest_valid_budget(policy, options, hi)
+
+    def evaluate(budget: int) -> float:
+        kv = build_policy(policy, budget, options)
+        right = 0
+        for case, enc in zip(cases, encoded):
+            out = engine.generate(enc, kv, max_new_tokens=max_new_tokens, tier=0, seed=seed)
+            right += is_correct(case.passkey, out.text)
+        return right / len(cases)
+
+    return _search(policy, "passkey", threshold, evaluate, lo, hi, step, mean_len)

@@ -1,0 +1,37 @@
+"""The passkey PNG: accuracy against ratio per policy, and accuracy by needle depth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_passkey(document: dict[str, Any], path: str | Path) -> Path:
+    """Draw ``document`` (the ``passkey.json`` object) into a two-panel PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_ratio, by_depth) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy, table in document["accuracy"].items():
+        xs = [float(k) for k in table]
+        style = dict(linestyle="--", color="black") if policy == "dense" else {}
+        if len(xs) == 1 and policy == "dense":
+            by_ratio.axhline(next(iter(table.values())), label="dense", **style)
+        else:
+            by_ratio.plot(xs, list(table.values()), marker="o", label=policy, **style)
+    by_ratio.set(xlabel="compression ratio (fraction of the context removed)", ylabel="accuracy",
+                 ylim=(-0.05, 1.05), title="passkey accuracy by ratio")
+    by_ratio.legend()
+    for policy, table in document["by_depth"].items():
+        style = dict(linestyle="--", color="black") if policy == "dense" else {}
+        by_depth.plot([float(k) for k in table], list(table.values()), marker="o", label=policy, **style)
+    by_depth.set(xlabel="needle depth", ylabel="accuracy", ylim=(-0.05, 1.05), title="accuracy by needle depth")
+    by_depth.legend()
+    fig.suptitle(f"{document['model']}: {len(document['cases'])} cases, seed {document['seed']}")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,98 @@
+"""Run passkey cases through the long-document protocol for each policy and ratio, and tabulate accuracy."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sparseety.bench.passkey import QUESTION, PasskeyCase, is_correct
+
+if TYPE_CHECKING:
+    from sparseety.engine import SparseEngine
+
+DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class PasskeyResult:
+    """One (policy, ratio, case) answer."""
+
+    policy: str
+    ratio: float
+    length: int
+    depth: float
+    passkey: str
+    answer: str
+    correct: bool
+    kv_cache_bytes_peak: int
+    seconds: float
+
+
+@dataclass
+class PasskeyReport:
+    """Cases, results and the accuracy tables (the ``passkey.json`` document)."""
+
+    model: str
+    seed: int
+    cases: list[PasskeyCase]
+    results: list[PasskeyResult] = field(default_factory=list)
+
+    def accuracy(self) -> dict[str, dict[str, float]]:
+        """``{policy: {str(ratio): fraction correct}}`` over every case."""
+        return _mean_by(self.results, lambda r: str(float(r.ratio)))
+
+    def by_depth(self) -> dict[str, dict[str, float]]:
+        """``{policy: {str(depth): fraction correct}}`` over every ratio and length."""
+        return _mean_by(self.results, lambda r: str(float(r.depth)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "passkey", "model": self.model, "seed": self.seed,
+                "cases": [c.to_dict() for c in self.cases], "results": [asdict(r) for r in self.results],
+                "accuracy": self.accuracy(), "by_depth": self.by_depth()}
+
+
+def _mean_by(results: Sequence[PasskeyResult], key: Callable[[PasskeyResult], str]) -> dict[str, dict[str, float]]:
+    groups: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        groups[r.policy][key(r)].append(r.correct)
+    return {p: {k: sum(v) / len(v) for k, v in sorted(g.items(), key=lambda kv: float(kv[0]))}
+            for p, g in groups.items()}
+
+
+def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio: float, *,
+                options: dict[str, Any] | None = None, max_new_tokens: int = 16, chat: bool | None = None,
+                seed: int = 0) -> PasskeyResult:
+    """Ask ``QUESTION`` about ``case.context`` with the context compressed by ``policy_name`` at ``ratio``."""
+    from sparseety.engine import encode_document
+    from sparseety.policies import build_policy, resolve_budget
+
+    encoded = encode_document(engine.tokenizer, case.context, QUESTION, chat)
+    budget = None if policy_name == DENSE else resolve_budget(None, ratio, encoded.compress_len or 0)
+    policy = build_policy(policy_name, budget, options or {})
+    start = time.perf_counter()
+    result = engine.generate(encoded, policy, max_new_tokens=max_new_tokens, tier=1, seed=seed)
+    seconds = time.perf_counter() - start
+    return PasskeyResult(
+        policy=policy_name, ratio=float(ratio), length=case.length, depth=case.depth, passkey=case.passkey,
+        answer=result.text, correct=is_correct(case.passkey, result.text),
+        kv_cache_bytes_peak=result.kv_cache_bytes_peak, seconds=round(seconds, 4),
+    )
+
+
+def run_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policies: Sequence[str],
+                ratios: Sequence[float], *, model: str, seed: int = 0, max_new_tokens: int = 16,
+                chat: bool | None = None, dense: bool = True,
+                on_result: Callable[[PasskeyResult], None] | None = None) -> PasskeyReport:
+    """Every case under dense (the sanity row, when ``dense``) and under each policy at each ratio."""
+    report = PasskeyReport(model=model, seed=seed, cases=list(cases))
+    plan = ([(DENSE, 0.0)] if dense else []) + [(p, r) for p in policies for r in ratios]
+    for name, ratio in plan:
+        for case in cases:
+            row = answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat, seed=seed)
+            report.results.append(row)
+            if on_result is not None:
+                on_result(row)
+    return report

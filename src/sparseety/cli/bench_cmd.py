@@ -1,0 +1,80 @@
+"""``sparseety bench passkey``: needle-in-a-haystack accuracy per policy and ratio."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparseety.cli.app import app, user_errors
+from sparseety.cli.lists import parse_list
+from sparseety.models.registry import DEFAULT_MODEL
+
+bench_app = typer.Typer(help="Benchmarks of sparse policies.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("passkey")
+@user_errors
+def passkey_cmd(
+    policies: str = typer.Option("streaming,snapkv", "--policies", help="Comma-separated policies."),
+    ratios: str = typer.Option("0.25,0.5,0.75", "--ratios", help="Comma-separated compression ratios in [0, 1)."),
+    lengths: str = typer.Option("1000,2000", "--lengths", help="Comma-separated context lengths in tokens."),
+    depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Comma-separated needle depths in [0, 1]."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the cases (pass keys and text offsets)."),
+    out: Path = typer.Option(Path("bench-passkey"), "--out", help="Folder for passkey.json and passkey.png."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Answer length limit."),
+    chat: bool | None = typer.Option(None, "--chat/--no-chat", help="Chat template (default: on for chat models)."),
+) -> None:
+    """Hide a pass key in license text at each length and depth; ask for it with the context compressed."""
+    from sparseety.bench import make_cases, run_passkey, tokenizer_counter
+    from sparseety.bench.passkey_plot import plot_passkey
+    from sparseety.engine import SparseEngine
+    from sparseety.errors import ConfigError
+    from sparseety.models import load_model
+    from sparseety.policies import build_policy
+
+    names = parse_list(policies, "--policies", str)
+    for name in names:
+        build_policy(name, 1 << 20)  # unknown names fail before the model loads
+    ratio_list = parse_list(ratios, "--ratios", float, lambda r: 0.0 <= r < 1.0, "0 <= ratio < 1")
+    length_list = parse_list(lengths, "--lengths", int, lambda n: n >= 50, "at least 50 tokens")
+    depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
+    if max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    lm, tokenizer = load_model(model)
+    engine = SparseEngine(lm, tokenizer, model)
+    cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
+    console = Console(stderr=True)
+    total = len(cases) * (1 + len(names) * len(ratio_list))
+    done = 0
+
+    def progress(row) -> None:  # noqa: ANN001
+        nonlocal done
+        done += 1
+        mark = "ok" if row.correct else "miss"
+        console.print(f"[{done}/{total}] {row.policy} ratio={row.ratio} length={row.length} depth={row.depth}: "
+                      f"{mark} {row.answer.strip()[:60]!r}", markup=False, highlight=False)
+
+    report = run_passkey(engine, cases, names, ratio_list, model=model, seed=seed,
+                         max_new_tokens=max_new_tokens, chat=chat, on_result=progress)
+    document = report.to_json()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "passkey.json").write_text(json.dumps(document, indent=1))
+    plot_passkey(document, out / "passkey.png")
+    print_tables(document, Console())
+    Console().print(f"wrote {out / 'passkey.json'} and {out / 'passkey.png'}")
+
+
+def print_tables(document: dict, console: Console) -> None:
+    """Accuracy by policy x ratio, and by policy x depth."""
+    for title, key, label in (("accuracy by ratio", "accuracy", "ratio"), ("accuracy by depth", "by_depth", "depth")):
+        columns = sorted({k for table in document[key].values() for k in table}, key=float)
+        table = Table("policy", *(f"{label} {c}" for c in columns), title=title)
+        for policy, row in document[key].items():
+            table.add_row(policy, *(f"{row[c]:.0%}" if c in row else "-" for c in columns))
+        console.print(table)

@@ -1,0 +1,101 @@
+"""``sparseety tune``: the smallest budget of a policy that meets a fidelity or passkey bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparseety.cli import run_inputs as opt
+from sparseety.cli.app import app, user_errors
+from sparseety.cli.lists import parse_list
+from sparseety.cli.run_inputs import RunInputs
+
+
+@app.command("tune")
+@user_errors
+def tune_cmd(
+    policy: str = typer.Option(..., "--policy", help="KV policy to tune (see `sparseety policies list`)."),
+    metric: str = typer.Option(..., "--metric", help="top1_agreement, mean_kl or passkey."),
+    threshold: float = typer.Option(..., "--threshold", help="The bar: >= for top1_agreement and passkey, <= for mean_kl."),
+    model: str = opt.MODEL_OPT,
+    prompt: str | None = opt.PROMPT_OPT,
+    prompt_file: Path | None = opt.PROMPT_FILE_OPT,
+    context_file: Path | None = opt.CONTEXT_FILE_OPT,
+    question: str | None = opt.QUESTION_OPT,
+    chat: bool | None = opt.CHAT_OPT,
+    policy_opt: list[str] = opt.POLICY_OPT_OPT,
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Length of the dense continuation (passkey: answer limit)."),
+    min_budget: int | None = typer.Option(None, "--min-budget", help="Smallest budget searched (default: the policy's minimum)."),
+    max_budget: int | None = typer.Option(None, "--max-budget", help="Largest budget searched (default: one that never evicts)."),
+    step: int = typer.Option(1, "--step", help="Budget resolution of the search."),
+    lengths: str = typer.Option("1000", "--lengths", help="passkey metric: comma-separated context lengths."),
+    depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="passkey metric: comma-separated needle depths."),
+    seed: int = opt.SEED_OPT,
+    out: Path | None = typer.Option(None, "--out", help="Write the tune JSON to this file."),
+    as_json: bool = opt.JSON_OPT,
+) -> None:
+    """Bisect the budget: evaluate the policy at a few budgets and print the curve and the smallest one that meets the bar."""
+    from sparseety.analysis.tune import check_metric, tune_fidelity, tune_passkey
+    from sparseety.engine import SparseEngine
+    from sparseety.errors import ConfigError, InputError
+    from sparseety.models import load_model
+
+    check_metric(metric, threshold)
+    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt)
+    if max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    for flag, value in (("--min-budget", min_budget), ("--max-budget", max_budget), ("--step", step)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if metric == "passkey":
+        if any(x is not None for x in (prompt, prompt_file, context_file)):
+            raise InputError("--metric passkey builds its own cases from --lengths and --depths; "
+                             "drop --prompt/--prompt-file/--context-file")
+        inputs.check(need_source=False)
+        length_list = parse_list(lengths, "--lengths", int, lambda n: n >= 50, "at least 50 tokens")
+        depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
+    else:
+        inputs.check()
+        sources = inputs.read_sources()
+    lm, tokenizer = load_model(model)
+    engine = SparseEngine(lm, tokenizer, model)
+    search = dict(options=inputs.options, max_new_tokens=max_new_tokens, min_budget=min_budget,
+                  max_budget=max_budget, step=step, seed=seed)
+    if metric == "passkey":
+        from sparseety.bench import make_cases, tokenizer_counter
+
+        cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
+        result = tune_passkey(engine, cases, policy, threshold, chat=chat, **search)
+    else:
+        result = tune_fidelity(engine, inputs.encode(tokenizer, sources), policy, metric, threshold, **search)
+    document = result.to_json()
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(document, indent=1))
+    if as_json:
+        sys.stdout.write(json.dumps(document) + "\n")
+        return
+    print_tune(document, Console())
+    if out is not None:
+        Console().print(f"wrote {out}")
+
+
+def print_tune(document: dict, console: Console) -> None:
+    """The evaluated curve and the answer."""
+    table = Table("budget", "ratio", document["metric"], "meets", title=f"{document['policy']}: "
+                  f"{document['metric']} {'<=' if document['metric'] == 'mean_kl' else '>='} {document['threshold']:g}")
+    for point in document["curve"]:
+        table.add_row(str(point["budget"]), f"{point['ratio']:.3f}", f"{point['value']:.4f}",
+                      "yes" if point["meets"] else "no")
+    console.print(table)
+    answer = document["answer"]
+    if answer is None:
+        console.print("no budget in the searched range meets the bar")
+    else:
+        console.print(f"answer: budget {answer['budget']} (ratio {answer['ratio']:.3f}), "
+                      f"{document['metric']} {answer['value']:.4f}")
