@@ -77,3 +77,14 @@ def encode_document(tokenizer: object, context: str, question: str, chat: bool |
         question_ids = _ids(tokenizer, "\n\n" + question, special=False)
     ids = torch.tensor([context_ids + question_ids], dtype=torch.long)
     return EncodedInput(ids, compress_len=len(context_ids))
+
+
+def encode_messages(tokenizer: object, messages: list[dict[str, str]]) -> EncodedInput:
+    """Encode a chat conversation (``[{"role", "content"}, ...]``) with the tokenizer's template and the
+    assistant prefix; the template supplies every special token."""
+    if not messages:
+        raise InputError("messages is empty")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("the tokenizer has no chat template; send a completion request instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
+    return EncodedInput(torch.tensor([_ids(tokenizer, text, special=False)], dtype=torch.long))

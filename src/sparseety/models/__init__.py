@@ -1,5 +1,5 @@
 """Model loading: built-in names, local directories and Hugging Face ids."""
 
-from sparseety.models.registry import DEFAULT_MODEL, BuiltinModel, list_models, load_model
+from sparseety.models.registry import DEFAULT_MODEL, BuiltinModel, list_models, load_model, load_tokenizer
 
-__all__ = ["DEFAULT_MODEL", "BuiltinModel", "list_models", "load_model"]
+__all__ = ["DEFAULT_MODEL", "BuiltinModel", "list_models", "load_model", "load_tokenizer"]

@@ -116,6 +116,16 @@ def load_model(
     return model, tokenizer
 
 
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """Load only the tokenizer of a built-in name, a local directory or a Hugging Face id."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {exc}") from exc
+
+
 def timed_load(name_or_path: str = DEFAULT_MODEL) -> float:
     """Seconds one :func:`load_model` call takes (used by the load benchmark)."""
     start = time.perf_counter()

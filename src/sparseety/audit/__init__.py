@@ -1,0 +1,1 @@
+"""Audits of what a server reports against what the model itself says."""
