@@ -1,0 +1,59 @@
+"""``sparseety serve``: the OpenAI-compatible sparse server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from sparseety.cli.app import app, user_errors
+from sparseety.models.registry import DEFAULT_MODEL
+
+
+@app.command("serve")
+@user_errors
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    policy: str = typer.Option("dense", "--policy", help="Default KV policy (a request may override it)."),
+    budget: int | None = typer.Option(None, "--budget", help="Tokens kept per layer and KV head."),
+    ratio: float | None = typer.Option(None, "--ratio", help="Fraction of each prompt removed."),
+    policy_opt: list[str] = typer.Option([], "--policy-opt", help="Policy option key=value (repeatable)."),
+    trace_dir: Path | None = typer.Option(None, "--trace-dir", help="Trace store; without it nothing is traced."),
+    sample_rate: float = typer.Option(0.05, "--sample-rate", help="Share of requests traced (hash of the id)."),
+    tier: int = typer.Option(2, "--tier", help="Tier of sampled requests (forced ones get 3, the rest 1)."),
+    top_k: int = typer.Option(16, "--top-k", help="Important tokens per layer in traces."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="SPARSEETY_API_KEY",
+                                       help="Bearer key for /v1 (also turns the trace endpoints on)."),
+    max_concurrency: int = typer.Option(1, "--max-concurrency", help="Generations running at once."),
+    max_queue: int | None = typer.Option(None, "--max-queue", help="Requests waiting before 429 (default 4 x "
+                                         "--max-concurrency)."),
+    max_tokens_limit: int = typer.Option(256, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body (else 413)."),
+    redact: bool = typer.Option(False, "--redact", help="Redact e-mails, phone numbers, keys... in stored traces."),
+    ids_only: bool = typer.Option(False, "--ids-only", help="Store token ids only, no text."),
+    otlp_endpoint: str | None = typer.Option(None, "--otlp-endpoint", help="Export spans over OTLP/HTTP (needs "
+                                             "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)."),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Serve a model behind the OpenAI API with a sparse KV policy, Prometheus /metrics and sampled tracing."""
+    from sparseety.policies import parse_policy_opts
+    from sparseety.serve import ServeConfig
+
+    config = ServeConfig(
+        model=model, host=host, port=port, policy=policy, budget=budget, ratio=ratio,
+        policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir, sample_rate=sample_rate, tier=tier,
+        top_k=top_k, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
+        max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, redact=redact, ids_only=ids_only,
+        otlp_endpoint=otlp_endpoint,
+    )
+    import uvicorn
+
+    from sparseety.serve import create_app
+
+    server_app = create_app(config)
+    print(f"sparseety serve: {model} on http://{host}:{port} (policy {policy}, tracing "
+          f"{'to ' + str(trace_dir) if trace_dir else 'off'})", file=sys.stderr, flush=True)
+    uvicorn.run(server_app, host=host, port=port, log_level=log_level)

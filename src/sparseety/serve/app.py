@@ -1,0 +1,230 @@
+"""``create_app``: the OpenAI-compatible FastAPI app with ``/metrics`` and the trace endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from sparseety import __version__
+from sparseety.engine import SparseEngine
+from sparseety.errors import RecordError, SparseetyError
+from sparseety.policies import build_policy, resolve_budget
+from sparseety.serve.auth import check_key, check_trace_access
+from sparseety.serve.config import ServeConfig
+from sparseety.serve.errors import APIError, error_body, install_error_handlers
+from sparseety.serve.execution import (
+    Outcome, eos_ids, execute, response_body, stream_chunk, usage_chunk,
+)
+from sparseety.serve.limits import BodySizeLimit
+from sparseety.serve.metrics import ServeMetrics
+from sparseety.serve.planning import Plan, check_request_id, plan_request
+from sparseety.serve.scheduler import QueueFull, Scheduler
+from sparseety.serve.schemas import (
+    ERROR_RESPONSES, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList,
+    TraceList,
+)
+from sparseety.serve.streaming import TokenStreamer
+from sparseety.serve.tracing import Tracer
+
+_bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <api key> (when the server has one)")
+TRUE_HEADER = {"1", "true", "yes", "on"}
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share."""
+
+    config: ServeConfig
+    engine: SparseEngine
+    scheduler: Scheduler
+    tracer: Tracer
+    metrics: ServeMetrics
+    eos: frozenset[int]
+    created: int
+
+
+def _jsonable(value: Any) -> Any:
+    """NumPy scalars to Python, NaN/inf to None (JSON has neither)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastAPI:
+    """Build the app (loading ``config.model`` unless an engine is given); start it with uvicorn.
+
+    Raises :class:`~sparseety.errors.ConfigError` for a bad default policy or tracing setup.
+    """
+    build_policy(config.policy, resolve_budget(config.budget, config.ratio, 1 << 20), dict(config.policy_opts))
+    if engine is None:
+        from sparseety.models import load_model
+
+        model, tokenizer = load_model(config.model)
+        engine = SparseEngine(model, tokenizer, config.model)
+    scheduler = Scheduler(config.max_concurrency, config.queue_capacity)
+    tracer = Tracer(config)
+    metrics = ServeMetrics(lambda: scheduler.running, lambda: scheduler.waiting,
+                           tracer.stats if tracer.enabled else None)
+    state = ServerState(config, engine, scheduler, tracer, metrics, eos_ids(engine), int(time.time()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await anyio.to_thread.run_sync(scheduler.shutdown)
+        await anyio.to_thread.run_sync(tracer.close)
+
+    app = FastAPI(title="SparSEEty", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible sparse serving; generation is greedy.")
+    app.state.serve = state
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+
+    def generation_key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        check_key(config.api_key, credentials)
+
+    def trace_key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        check_trace_access(config.api_key, tracer.enabled, credentials)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness, with the scheduler's load."""
+        return {"status": "ok", "model": config.model, "running": scheduler.running, "waiting": scheduler.waiting}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES, dependencies=[Depends(generation_key)])
+    async def models() -> ModelList:
+        """The one model this server serves."""
+        return ModelList(data=[ModelCard(id=config.model, created=state.created)])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERROR_RESPONSES,
+              dependencies=[Depends(generation_key)])
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        x_request_id: str | None = Header(None, description="Request id (sampling and trace lookup)."),
+        x_sparseety_trace: str | None = Header(None, description="1 forces a tier-3 trace of this request."),
+    ) -> Response:
+        """Chat completion (greedy); ``sparsity`` overrides the policy; streaming with ``stream``."""
+        return await _generate(state, body, x_request_id, x_sparseety_trace)
+
+    @app.post("/v1/completions", response_model=Completion, responses=ERROR_RESPONSES,
+              dependencies=[Depends(generation_key)])
+    async def completions(
+        body: CompletionRequest,
+        x_request_id: str | None = Header(None, description="Request id (sampling and trace lookup)."),
+        x_sparseety_trace: str | None = Header(None, description="1 forces a tier-3 trace of this request."),
+    ) -> Response:
+        """Text completion of a raw prompt (greedy)."""
+        return await _generate(state, body, x_request_id, x_sparseety_trace)
+
+    @app.get("/v1/traces", response_model=TraceList, responses=ERROR_RESPONSES, dependencies=[Depends(trace_key)])
+    async def traces(limit: int = Query(20, ge=1, le=1000, description="Newest requests to list.")) -> JSONResponse:
+        """Summaries of stored requests, newest first."""
+        from sparseety.store import list_traces
+
+        rows = await anyio.to_thread.run_sync(lambda: list_traces(config.trace_dir, limit=limit))
+        return JSONResponse({"object": "list", "data": _jsonable(rows)})
+
+    @app.get("/v1/traces/{request_id}", responses=ERROR_RESPONSES, dependencies=[Depends(trace_key)])
+    async def trace(request_id: str) -> JSONResponse:
+        """One stored request: its document and the names, dtypes and shapes of its arrays."""
+        from sparseety.store import load_trace
+
+        check_request_id(request_id)
+        try:
+            stored = await anyio.to_thread.run_sync(lambda: load_trace(config.trace_dir, request_id))
+        except RecordError as exc:
+            raise APIError(404, str(exc), param="request_id", code="trace_not_found") from None
+        arrays = {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in stored.arrays.items()}
+        return JSONResponse(_jsonable({"request_id": stored.request_id, "tier": stored.tier,
+                                       "document": stored.document, "arrays": arrays}))
+
+    return app
+
+
+async def _generate(state: ServerState, body: ChatCompletionRequest | CompletionRequest, request_id: str | None,
+                    trace_header: str | None) -> Response:
+    arrival = time.perf_counter()
+    request_id = check_request_id(request_id) if request_id is not None else uuid.uuid4().hex
+    force = trace_header is not None and trace_header.strip().lower() in TRUE_HEADER
+    try:
+        state.scheduler.admit()
+    except QueueFull:
+        state.metrics.request_rejected.labels("queue_full").inc()
+        raise APIError(429, "the server is at capacity (every worker busy and the queue full): retry later",
+                       code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+    try:
+        plan = await anyio.to_thread.run_sync(functools.partial(
+            plan_request, body, state.engine, state.config, state.tracer, request_id=request_id, force_trace=force,
+            arrival=arrival))
+    except BaseException:
+        state.scheduler.release()
+        raise
+    headers = {"X-Request-Id": request_id}
+    config = state.config
+    job = functools.partial(execute, plan, state.engine, tracer=state.tracer, metrics=state.metrics,
+                            top_k=config.top_k, eos=state.eos)
+    if not body.stream:
+        try:
+            outcome = await state.scheduler.run(functools.partial(job, streamer=TokenStreamer(state.engine.tokenizer)))
+        except SparseetyError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        return JSONResponse(response_body(plan, outcome, config.model, int(time.time())), headers=headers)
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue[str | None] = asyncio.Queue()
+    streamer = TokenStreamer(state.engine.tokenizer, loop, pieces)
+    task = asyncio.ensure_future(state.scheduler.run(functools.partial(job, streamer=streamer)))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if the client left
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(_events(plan, task, pieces, config.model, include_usage), media_type="text/event-stream",
+                             headers=headers)
+
+
+async def _events(plan: Plan, task: asyncio.Future[Outcome], pieces: asyncio.Queue[str | None], model: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk (chat), text deltas as tokens arrive, the finish chunk, usage, [DONE]."""
+    created = int(time.time())
+    if plan.operation == "chat":
+        yield _sse(stream_chunk(plan, model, created, role=True, include_usage=include_usage))
+    while (piece := await pieces.get()) is not None:
+        yield _sse(stream_chunk(plan, model, created, text=piece, include_usage=include_usage))
+    try:
+        outcome = await task
+    except SparseetyError as exc:
+        yield _sse(error_body(400, str(exc), None, "invalid_value"))
+        yield "data: [DONE]\n\n"
+        return
+    except Exception as exc:  # a server bug: tell the client in-band (the status line is already sent)
+        yield _sse(error_body(500, f"internal error: {type(exc).__name__}", None, "internal_error"))
+        yield "data: [DONE]\n\n"
+        return
+    yield _sse(stream_chunk(plan, model, created, finish=outcome.finish_reason, include_usage=include_usage))
+    if include_usage:
+        yield _sse(usage_chunk(plan, outcome.result, model, created))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,68 @@
+"""``ServeConfig``: every setting of ``sparseety serve``, validated once at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Self
+
+from pydantic import Field, StrictBool, StrictInt, model_validator
+
+from sparseety.config import ValidatedConfig
+from sparseety.models.registry import DEFAULT_MODEL
+
+
+class ServeConfig(ValidatedConfig):
+    """Settings of the OpenAI-compatible server.
+
+    Attributes
+    ----------
+    model : built-in model name, local directory or Hugging Face id; also the name ``/v1/models`` lists.
+    host, port : where uvicorn listens.
+    policy, budget, ratio, policy_opts : the default KV policy (a request may override it).
+    trace_dir : trace store; None turns tracing (and the trace endpoints) off.
+    sample_rate : share of requests traced, chosen by a hash of the request id.
+    tier : tier of sampled requests (forced requests get tier 3); the rest run at tier 1.
+    top_k : important tokens per layer in traces.
+    api_key : bearer key for every ``/v1`` endpoint; None leaves generation open and the trace endpoints off.
+    max_concurrency : generations running at once (worker threads).
+    max_queue : admitted requests waiting for a worker; None means ``4 * max_concurrency``. Beyond it: 429.
+    max_tokens_limit : largest ``max_tokens`` a request may ask for (also the chat default).
+    max_body_bytes : largest request body; larger bodies get 413.
+    redact, ids_only : privacy of stored traces (see :mod:`sparseety.store`).
+    trace_queue_size : records the trace writer buffers before it drops (and counts) new ones.
+    otlp_endpoint : OTLP/HTTP endpoint spans are exported to (needs the OpenTelemetry SDK).
+    """
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: StrictInt = Field(8000, ge=0, le=65535)
+    policy: str = "dense"
+    budget: StrictInt | None = Field(None, gt=0)
+    ratio: float | None = Field(None, ge=0, lt=1)
+    policy_opts: dict[str, str] = Field(default_factory=dict)
+    trace_dir: Path | None = None
+    sample_rate: float = Field(0.05, ge=0, le=1)
+    tier: StrictInt = Field(2, ge=1, le=3)
+    top_k: StrictInt = Field(16, gt=0)
+    api_key: str | None = None
+    max_concurrency: StrictInt = Field(1, ge=1, le=64)
+    max_queue: StrictInt | None = Field(None, ge=0)
+    max_tokens_limit: StrictInt = Field(256, ge=1)
+    max_body_bytes: StrictInt = Field(1 << 20, ge=256)
+    redact: StrictBool = False
+    ids_only: StrictBool = False
+    trace_queue_size: StrictInt = Field(1024, ge=1)
+    otlp_endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.budget is not None and self.ratio is not None:
+            raise ValueError("give either budget or ratio, not both")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty")
+        return self
+
+    @property
+    def queue_capacity(self) -> int:
+        """Admitted requests waiting for a worker before new ones get 429."""
+        return 4 * self.max_concurrency if self.max_queue is None else self.max_queue
