@@ -37,6 +37,7 @@ def run(
     trace_dir: Path = opt.TRACE_DIR_OPT,
     seed: int = opt.SEED_OPT,
     as_json: bool = opt.JSON_OPT,
+    no_report: bool = typer.Option(False, "--no-report", help="Do not write the HTML report next to the trace."),
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
@@ -65,9 +66,19 @@ def run(
         )
     if tier >= 1:
         result.trace_path = str(write_trace(result, trace_dir))
+    report_path = None
+    if tier >= 1 and not no_report:
+        from sparseety.report import write_report
+        from sparseety.store import load_trace
+
+        report_path = write_report(load_trace(trace_dir, result.request_id))
     if as_json:
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
+        if report_path is not None:
+            stderr.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
         return
     console = Console()
     console.print(result.text, markup=False, highlight=False)
     print_summary(result, console)
+    if report_path is not None:
+        console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)

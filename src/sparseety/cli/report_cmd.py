@@ -1,0 +1,32 @@
+"""``sparseety report``: one self-contained HTML file (and optionally PNG figures) from a trace or a bench/tune result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from sparseety.cli.app import app, user_errors
+
+
+@app.command("report")
+@user_errors
+def report(
+    trace: Path = typer.Argument(..., help="Trace path, trace directory, or a `bench passkey` / `tune` JSON file."),
+    out: Path | None = typer.Option(None, "-o", "--out", help="HTML file to write (default: <trace dir>/reports/<id>.html)."),
+    png: Path | None = typer.Option(None, "--png", help="Also write the figures as PNG files into this directory."),
+    layer: int | None = typer.Option(None, "--layer", help="Layer selected when the report opens (default: all layers)."),
+    request_id: str | None = typer.Option(None, "--request-id", help="Which request of a trace directory (default: newest)."),
+) -> None:
+    """Write an HTML report people can open anywhere, offline: text shaded by importance, eviction timeline, ..."""
+    from sparseety.report.html import render_view
+    from sparseety.report.write import default_report_path, report_view, write_html
+    from sparseety.report.plots import save_figures
+
+    view, stored, json_source = report_view(trace, layer=layer, request_id=request_id)
+    target = out if out is not None else default_report_path(stored, json_source)
+    write_html(target, render_view(view))
+    print(f"report: {target}")
+    if png is not None:
+        for path in save_figures(view, png):
+            print(f"figure: {path}")

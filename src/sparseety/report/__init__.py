@@ -1,0 +1,10 @@
+"""Reports people can look at: one self-contained HTML file per run (or bench / tune result), and PNG figures.
+
+``write_report(source)`` takes a :class:`~sparseety.store.StoredTrace`, a trace path or directory, or a
+``bench passkey`` / ``tune`` JSON file; ``render_html(trace)`` returns the HTML of one stored run.
+"""
+
+from sparseety.report.html import render_html, render_view
+from sparseety.report.write import default_report_path, report_view, write_pngs, write_report
+
+__all__ = ["render_html", "render_view", "write_report", "write_pngs", "report_view", "default_report_path"]

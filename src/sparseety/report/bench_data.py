@@ -1,0 +1,83 @@
+"""View data of a ``bench passkey`` or ``tune`` JSON file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparseety.errors import RecordError
+
+
+def bench_view(document: dict[str, Any]) -> dict[str, Any]:
+    """The report view of a passkey or tune document (``document["kind"]`` says which)."""
+    kind = document.get("kind")
+    if kind == "passkey":
+        return passkey_view(document)
+    if kind == "tune":
+        return tune_view(document)
+    raise RecordError(f"unknown report source kind {kind!r}: expected 'passkey' or 'tune'")
+
+
+def passkey_view(document: dict[str, Any]) -> dict[str, Any]:
+    """Accuracy by policy x ratio and by policy x depth as dense grids (None where a cell was not run).
+
+    Returns
+    -------
+    dict with ``accuracy`` and ``by_depth``, each ``{"rows": [policy], "columns": [label], "values":
+    [[acc | None]]}`` with columns sorted numerically.
+    """
+    for key in ("accuracy", "by_depth"):
+        if not isinstance(document.get(key, {}), dict):
+            raise RecordError(f"passkey JSON key {key!r} must be an object of {{policy: {{value: accuracy}}}}")
+    results = document.get("results") or []
+    return {
+        "kind": "passkey",
+        "title": "Passkey retrieval",
+        "accuracy": _grid(document.get("accuracy") or {}),
+        "by_depth": _grid(document.get("by_depth") or {}),
+        "results": len(results) if isinstance(results, list) else 0,
+        "extra": {k: v for k, v in document.items()
+                  if k not in ("kind", "results", "accuracy", "by_depth") and not isinstance(v, (dict, list))},
+        "notes": [],
+    }
+
+
+def tune_view(document: dict[str, Any]) -> dict[str, Any]:
+    """The tuning curve sorted by budget, with the threshold and the answer."""
+    curve = document.get("curve")
+    if not isinstance(curve, list) or not all(isinstance(p, dict) and "budget" in p and "value" in p for p in curve):
+        raise RecordError("tune JSON key 'curve' must be a list of {budget, ratio, value, meets} objects")
+    points = sorted(curve, key=lambda p: float(p["budget"]))
+    return {
+        "kind": "tune",
+        "title": f"Tuning {document.get('policy', '?')} on {document.get('metric', '?')}",
+        "policy": document.get("policy"),
+        "metric": document.get("metric"),
+        "threshold": document.get("threshold"),
+        "curve": [{"budget": p["budget"], "ratio": p.get("ratio"), "value": p["value"], "meets": bool(p.get("meets"))}
+                  for p in points],
+        "answer": document.get("answer") or {},
+        "notes": [],
+    }
+
+
+def _grid(table: dict[str, Any]) -> dict[str, Any]:
+    rows = list(table)
+    columns = sorted({str(c) for cells in table.values() if isinstance(cells, dict) for c in cells}, key=_number)
+    values = [[_cell(table[r], c) for c in columns] for r in rows]
+    return {"rows": rows, "columns": columns, "values": values}
+
+
+def _cell(cells: Any, column: str) -> float | None:
+    if not isinstance(cells, dict):
+        return None
+    for key, value in cells.items():
+        if str(key) == column and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _number(text: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(text), text)
+    except ValueError:
+        return (1, 0.0, text)

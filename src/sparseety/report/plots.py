@@ -1,0 +1,215 @@
+"""The report's figures as PNG files (matplotlib, Agg backend), at a fixed pixel size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sparseety.errors import InputError
+from sparseety.report.timeline import NEVER, EvictionTimeline
+
+FIGSIZE = (10.0, 5.0)  #: inches
+DPI = 100  #: so every PNG is 1000 x 500 pixels
+STATE_COLORS = np.array([[43, 140, 190], [253, 174, 97], [215, 48, 31], [238, 241, 244]], dtype=np.float64) / 255
+STATE_LABELS = ("kept", "evicted by some KV heads", "evicted by all KV heads", "not yet seen")
+
+
+def save_figures(view: dict[str, Any], directory: Path) -> list[Path]:
+    """Write every figure ``view`` has into ``directory``; returns the files, in a stable order."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the PNG directory {directory}: {exc}") from None
+    figures = {"trace": _trace_figures, "passkey": _passkey_figures, "tune": _tune_figures}[view["kind"]](view)
+    written = []
+    with plt.rc_context({"font.size": 10, "axes.spines.top": False, "axes.spines.right": False}):
+        for name, draw in figures:
+            fig = plt.figure(figsize=FIGSIZE, dpi=DPI)
+            try:
+                draw(fig)
+                path = directory / f"{name}.png"
+                fig.savefig(path, dpi=DPI)
+            except OSError as exc:
+                raise InputError(f"cannot write {directory / name}.png: {exc}") from None
+            finally:
+                plt.close(fig)
+            written.append(path)
+    return written
+
+
+def timeline_rgb(timeline: EvictionTimeline, layers: list[int], positions: int, max_axis: int) -> np.ndarray:
+    """``[step bins, position bins, 3]`` colours: each cell mixes the state colours by their share.
+
+    Steps and positions past ``max_axis`` are aggregated into bins (a bin of steps shows its last step).
+    """
+    pb = -(-positions // max_axis) if positions else 1
+    sb = -(-timeline.steps // max_axis)
+    steps = np.minimum(np.arange(sb - 1, timeline.steps + sb - 1, sb), timeline.steps - 1)[:, None]  # [rows, 1]
+    seq = np.minimum(timeline.prompt_len + steps, positions)
+    pos = np.arange(positions)[None, :]
+    counts = np.zeros((steps.shape[0], positions, 4))
+    for layer in layers:
+        first, full = timeline.first_step[layer][None, :], timeline.all_step[layer][None, :]
+        unseen = pos >= seq
+        evicted = ~unseen & (full != NEVER) & (full <= steps)
+        partly = ~unseen & ~evicted & (first != NEVER) & (first <= steps)
+        kept = ~unseen & ~evicted & ~partly
+        for index, mask in enumerate((kept, partly, evicted, unseen)):
+            counts[..., index] += mask
+    cols = -(-positions // pb)
+    padded = np.zeros((steps.shape[0], cols * pb, 4))
+    padded[:, :positions] = counts
+    binned = padded.reshape(steps.shape[0], cols, pb, 4).sum(axis=2)
+    share = binned / np.maximum(binned.sum(axis=-1, keepdims=True), 1)
+    return share @ STATE_COLORS
+
+
+def _trace_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
+    figures: list[tuple[str, Any]] = []
+    layer = view["layer"]
+    layer_name = "all layers" if layer is None else f"layer {layer}"
+    timeline: EvictionTimeline | None = view["timeline"]
+    if view["importance"] is not None:
+        figures.append(("importance", lambda fig: _importance(fig, view)))
+    if timeline is not None and view["positions"]:
+        layers = list(range(view["layers"])) if layer is None else [layer]
+
+        def draw_timeline(fig: Any) -> None:
+            from matplotlib.patches import Patch
+
+            ax = fig.add_axes((0.07, 0.12, 0.62, 0.78))
+            rgb = timeline_rgb(timeline, layers, view["positions"], view["max_axis"])
+            ax.imshow(rgb, aspect="auto", interpolation="nearest",
+                      extent=(0, view["positions"], timeline.steps - 0.5, -0.5))
+            ax.axvline(view["prompt_len"], color="#1f2933", linestyle=":", linewidth=1)
+            ax.set(xlabel="position", ylabel="decode step (0 = prefill)", title=f"Eviction timeline, {layer_name}")
+            ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(STATE_COLORS, STATE_LABELS)],
+                      loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4, fontsize=8, frameon=False)
+            side = fig.add_axes((0.77, 0.12, 0.21, 0.78))
+            kept = timeline.kept_per_step.mean(axis=0) if layer is None else timeline.kept_per_step[layer]
+            steps = np.arange(timeline.steps)
+            side.plot(kept, steps, color="#2b8cbe", label="slots held", zorder=3)
+            side.plot(np.minimum(view["prompt_len"] + steps, view["positions"]), steps, color="#9aa5b1", label="sequence")
+            if view["budget"]:
+                side.axvline(view["budget"], color="#d7301f", linestyle="--", label=f"budget {view['budget']}")
+            side.invert_yaxis()
+            side.set(xlabel="tokens per KV head", title="slots held")
+            side.legend(fontsize=8, frameon=False)
+
+        figures.append(("timeline", draw_timeline))
+    if view["kept_fraction"]:
+        def draw_kept(fig: Any) -> None:
+            ax = fig.add_subplot()
+            values = view["kept_fraction"]
+            colors = ["#2b8cbe" if layer in (None, i) else "#a6cee3" for i in range(len(values))]
+            ax.bar(range(len(values)), values, color=colors)
+            ax.set(xlabel="layer", ylabel="kept fraction (final)", ylim=(0, 1), title="Kept fraction per layer")
+
+        figures.append(("kept_fraction", draw_kept))
+    compare = view.get("compare") or {}
+    kl = (compare.get("fidelity") or {}).get("kl_per_step")
+    if kl:
+        def draw_kl(fig: Any) -> None:
+            ax = fig.add_subplot()
+            values = np.array([np.nan if v is None else v for v in kl], dtype=float)
+            ax.plot(np.arange(len(values)), values, marker="o", markersize=3, color="#6b46c1")
+            ax.set(xlabel="decode step", ylabel="KL divergence (nats)", title="KL(dense ‖ sparse) per step")
+            ax.set_ylim(bottom=0)
+
+        figures.append(("compare_kl", draw_kl))
+    if view["moe"]:
+        def draw_moe(fig: Any) -> None:
+            moe = view["moe"]
+            ax = fig.add_subplot()
+            image = ax.imshow(np.array(moe["top1_share"]), aspect="auto", cmap="Blues", interpolation="nearest")
+            ax.set_yticks(range(len(moe["layers"])), [str(x) for x in moe["layers"]])
+            ax.set(xlabel="expert", ylabel="layer", title="Expert load: share of tokens routed first to each expert")
+            fig.colorbar(image, ax=ax, label="top-1 share")
+
+        figures.append(("moe_load", draw_moe))
+    if view["drafts"]:
+        def draw_drafts(fig: Any) -> None:
+            d = view["drafts"]
+            ax = fig.add_subplot()
+            ax.bar(d["step"], d["accepted"], color="#2f855a", label="accepted")
+            ax.bar(d["step"], d["rejected"], bottom=d["accepted"], color="#d7301f", label="rejected")
+            ax.set(xlabel="decode step", ylabel="draft tokens", title="Speculative drafts per step")
+            ax.legend(frameon=False)
+
+        figures.append(("drafts", draw_drafts))
+    if view["pruning"]:
+        def draw_pruning(fig: Any) -> None:
+            p = view["pruning"]
+            ax = fig.add_subplot()
+            ax.bar(p["layers"], p["remaining"], color="#2b8cbe", label="tokens processed")
+            ax.bar(p["layers"], p["pruned"], bottom=p["remaining"], color="#fdae61", label="pruned")
+            ax.set(xlabel="layer", ylabel="tokens", title="Tokens per layer after pruning")
+            ax.legend(frameon=False)
+
+        figures.append(("pruning", draw_pruning))
+    return figures
+
+
+def _importance(fig: Any, view: dict[str, Any]) -> None:
+    values = view["importance"][1:].astype(np.float32)
+    positions = values.shape[1]
+    bins = -(-positions // view["max_axis"])
+    if bins > 1:
+        padded = np.full((values.shape[0], -(-positions // bins) * bins), np.nan, dtype=np.float32)
+        padded[:, :positions] = values
+        values = np.nanmax(padded.reshape(values.shape[0], -1, bins), axis=2)
+    ax = fig.add_subplot()
+    image = ax.imshow(np.sqrt(np.clip(values, 0, None)), aspect="auto", cmap="Oranges", interpolation="nearest",
+                      extent=(0, positions, values.shape[0] - 0.5, -0.5))
+    ax.axvline(view["prompt_len"], color="#1f2933", linestyle=":", linewidth=1)
+    ax.set(xlabel="position" + (f" (max over bins of {bins})" if bins > 1 else ""), ylabel="layer",
+           title="Attention received while generating (square root)")
+    fig.colorbar(image, ax=ax, label="√ importance")
+
+
+def _passkey_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
+    def heat(grid: dict[str, Any], xlabel: str, title: str) -> Any:
+        def draw(fig: Any) -> None:
+            ax = fig.add_subplot()
+            values = np.array([[np.nan if v is None else v for v in row] for row in grid["values"]], dtype=float)
+            image = ax.imshow(values.reshape(len(grid["rows"]), len(grid["columns"])), vmin=0, vmax=1, cmap="Blues",
+                              aspect="auto")
+            ax.set_xticks(range(len(grid["columns"])), grid["columns"])
+            ax.set_yticks(range(len(grid["rows"])), grid["rows"])
+            for (i, j), v in np.ndenumerate(values):
+                if not np.isnan(v):
+                    ax.text(j, i, f"{v:.0%}", ha="center", va="center", color="white" if v > 0.55 else "#1f2933")
+            ax.set(xlabel=xlabel, ylabel="policy", title=title)
+            fig.colorbar(image, ax=ax, label="accuracy")
+
+        return draw
+
+    figures = []
+    if view["accuracy"]["rows"]:
+        figures.append(("passkey_accuracy", heat(view["accuracy"], "compression ratio", "Passkey accuracy by policy and ratio")))
+    if view["by_depth"]["rows"]:
+        figures.append(("passkey_depth", heat(view["by_depth"], "needle depth", "Passkey accuracy by depth")))
+    return figures
+
+
+def _tune_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
+    def draw(fig: Any) -> None:
+        ax = fig.add_subplot()
+        curve = view["curve"]
+        x = [p["budget"] for p in curve]
+        y = [np.nan if p["value"] is None else p["value"] for p in curve]
+        ax.plot(x, y, color="#2b6cb0")
+        ax.scatter(x, y, c=["#2f855a" if p["meets"] else "#d7301f" for p in curve], zorder=3)
+        if view["threshold"] is not None:
+            ax.axhline(view["threshold"], color="#d7301f", linestyle="--", label=f"threshold {view['threshold']}")
+            ax.legend(frameon=False)
+        ax.set(xlabel="budget (tokens per KV head)", ylabel=view["metric"] or "value", title=view["title"])
+
+    return [("tune_curve", draw)] if view["curve"] else []
