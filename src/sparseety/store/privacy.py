@@ -62,7 +62,9 @@ _RULES: tuple[tuple[str, re.Pattern[str], _Check], ...] = (
     (IP, re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.])"),
      None),
     (IP, re.compile(r"(?<![0-9A-Fa-f:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![0-9A-Fa-f:])"), _ipv6),
-    (PHONE, re.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?|\d{2,4}[\s.\-])\d{3,4}[\s.\-]?\d{3,4}(?!\w)"),
+    # A phone number is not part of a longer digit group (a mistyped card, an account number).
+    (PHONE, re.compile(r"(?<![\w+])(?<!\d[\s.\-])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?|\d{2,4}[\s.\-])"
+                       r"\d{3,4}[\s.\-]?\d{3,4}(?!\w)(?![\s.\-]\d)"),
      None),
 )
 
