@@ -80,13 +80,13 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
     Raises :class:`~sparseety.errors.ConfigError` for a bad default policy or tracing setup.
     """
     build_policy(config.policy, resolve_budget(config.budget, config.ratio, 1 << 20), dict(config.policy_opts))
+    tracer = Tracer(config)  # before the model loads: a bad tracing setup fails fast
     if engine is None:
         from sparseety.models import load_model
 
         model, tokenizer = load_model(config.model)
         engine = SparseEngine(model, tokenizer, config.model)
     scheduler = Scheduler(config.max_concurrency, config.queue_capacity)
-    tracer = Tracer(config)
     metrics = ServeMetrics(lambda: scheduler.running, lambda: scheduler.waiting,
                            tracer.stats if tracer.enabled else None)
     state = ServerState(config, engine, scheduler, tracer, metrics, eos_ids(engine), int(time.time()))

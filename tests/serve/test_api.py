@@ -1,0 +1,266 @@
+"""The real ``openai`` client against a real server on loopback (default model): answers, usage, metrics, errors."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from conftest import MODEL, live_server, scrape
+from sparseety.engine import encode_prompt
+from sparseety.policies import build_policy
+
+KEY = "test-key"
+BUDGET = 20
+CHAT = [{"role": "user", "content": "List three colors, one per line."}]
+PROMPT = "Count with me: one, two, three, four,"
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    with live_server(engine, api_key=KEY, policy="streaming", budget=BUDGET, trace_dir=tmp_path_factory.mktemp("t"),
+                     sample_rate=0.0, max_concurrency=1, max_queue=2, max_tokens_limit=32,
+                     max_body_bytes=64 * 1024) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path, body=None, *, key=KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers.update(kwargs.pop("headers", {}))
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120, **kwargs)
+
+
+def direct(engine, text, chat, policy, max_tokens):
+    """The same generation straight on the engine: what the server must report."""
+    return engine.generate(encode_prompt(engine.tokenizer, text, chat), policy, max_new_tokens=max_tokens, tier=1)
+
+
+def sparsity_of(result) -> dict:
+    return {"policy": result.policy, "evicted_positions": result.evicted_positions,
+            "eviction_events": result.eviction_events, "kv_cache_bytes_peak": result.kv_cache_bytes_peak,
+            "kv_cache_bytes_dense": result.kv_cache_bytes_dense, "draft_rejected": result.draft_rejected}
+
+
+def test_chat_completion_matches_the_engine_with_the_server_policy(client, engine):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0.7)
+    expected = direct(engine, CHAT[0]["content"], True, build_policy("streaming", BUDGET), 6)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    usage = reply.usage.model_dump()
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(expected.prompt_ids), 6)
+    assert usage["total_tokens"] == len(expected.prompt_ids) + 6
+    assert usage["sparsity"] == sparsity_of(expected)
+    assert usage["sparsity"]["evicted_positions"] > 0  # the prompt is longer than the budget
+
+
+def test_completion_with_a_policy_override_in_the_body(client, engine):
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                      extra_body={"sparsity": {"policy": "h2o", "budget": 8}})
+    expected = direct(engine, PROMPT, False, build_policy("h2o", 8), 4)
+    assert reply.choices[0].text == expected.text
+    assert reply.usage.model_dump()["sparsity"] == sparsity_of(expected)
+    assert reply.usage.model_dump()["sparsity"]["policy"] == "h2o"
+
+
+def test_streamed_chat_joins_to_the_plain_answer_and_ends_with_usage(client):
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+
+
+def test_streamed_completion_without_usage(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_metrics_move_by_the_request(server, client):
+    before = scrape(server.url)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    after = scrape(server.url)
+    usage = reply.usage.model_dump()
+    sparsity = usage["sparsity"]
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("sparseety:prompt_tokens_total{}") == usage["prompt_tokens"]
+    assert moved("sparseety:generation_tokens_total{}") == usage["completion_tokens"] == 5
+    assert moved("sparseety:request_success_total{finished_reason=length}") == 1
+    assert moved("sparseety:time_to_first_token_seconds_count{}") == 1
+    assert moved("sparseety:inter_token_latency_seconds_count{}") == 4
+    assert moved("sparseety:e2e_request_latency_seconds_count{}") == 1
+    assert moved("sparseety:evicted_positions_total{policy=streaming}") == sparsity["evicted_positions"]
+    assert moved("sparseety:eviction_events_total{policy=streaming}") == sparsity["eviction_events"]
+    assert moved("sparseety:kv_cache_bytes_dense_total{policy=streaming}") == sparsity["kv_cache_bytes_dense"]
+    assert moved("sparseety:kv_cache_kept_fraction_sum{policy=streaming}") == pytest.approx(
+        sparsity["kv_cache_bytes_peak"] / sparsity["kv_cache_bytes_dense"])
+    assert moved("sparseety:trace_records_traced_total{}") == 0  # sample rate 0: nothing stored
+    assert after["sparseety:num_requests_running{}"] == 0
+
+
+def test_forced_trace_is_stored_with_genai_attributes_and_health_metrics(server):
+    before = scrape(server.url)
+    reply = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
+                 headers={"X-Request-Id": "forced-1", "X-Sparseety-Trace": "1"})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "forced-1"
+    assert reply.json()["id"] == "forced-1"
+    assert server.state.tracer.writer.flush(60)
+    after = scrape(server.url)
+    stored = httpx.get(f"{server.url}/v1/traces/forced-1", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert stored["tier"] == 3 and "step_importance" in stored["arrays"]
+    otel = stored["document"]["otel"]
+    usage = reply.json()["usage"]
+    assert otel["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert otel["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert otel["gen_ai.request.model"] == MODEL and otel["gen_ai.operation.name"] == "text_completion"
+    assert otel["gen_ai.response.finish_reasons"] == ["length"]
+    assert otel["sparseety.policy"] == "streaming" and otel["sparseety.trace_reason"] == "forced"
+    assert stored["document"]["extraction_health"]["adjacent_overlap"]
+    listed = httpx.get(f"{server.url}/v1/traces", params={"limit": 5}, headers={"Authorization": f"Bearer {KEY}"})
+    assert "forced-1" in [row["request_id"] for row in listed.json()["data"]]
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("sparseety:trace_records_sampled_total{reason=forced}") == 1
+    assert moved("sparseety:trace_records_traced_total{}") == 1
+    assert moved("sparseety:trace_records_committed_total{}") == 1
+    assert moved("sparseety:extraction_latency_seconds_count{}") == 1
+    assert moved("sparseety:important_token_top1_hit_rate_count{}") == 1
+    assert moved("sparseety:important_token_layer_overlap_count{layer=0}") == 1
+
+
+def test_body_field_forces_a_trace_at_the_tier_it_names(server):
+    reply = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                  "sparsity": {"trace": True, "tier": 2}},
+                 headers={"X-Request-Id": "forced-2"})
+    assert reply.status_code == 200
+    assert server.state.tracer.writer.flush(60)
+    stored = httpx.get(f"{server.url}/v1/traces/forced-2", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert stored["tier"] == 2 and stored["document"]["otel"]["gen_ai.operation.name"] == "chat"
+
+
+def test_unsampled_request_is_not_stored(server):
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1},
+                headers={"X-Request-Id": "plain-1"}).status_code == 200
+    assert server.state.tracer.writer.flush(60)
+    missing = httpx.get(f"{server.url}/v1/traces/plain-1", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+
+
+def test_auth(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    assert post(server, "/v1/completions", body, key=None).status_code == 401
+    assert post(server, "/v1/completions", body, key="wrong").status_code == 403
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/v1/traces").status_code == 401
+    assert httpx.get(f"{server.url}/v1/traces", headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert httpx.get(f"{server.url}/v1/traces/forced-1", headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def _error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"sparsity": {"policy": "bogus"}}, "sparsity.policy", "bogus"),
+    ({"sparsity": {"policy": "h2o", "budget": 0}}, "sparsity.budget", "greater than 0"),
+    ({"sparsity": {"budget": 4, "ratio": 0.5}}, "sparsity.budget", "either"),
+    ({"sparsity": {"policy": "streaming", "budget": 8, "options": {"sinks": 9}}}, "sparsity.budget", "sinks"),
+    ({"sparsity": {"options": {"colour": 1}}}, "sparsity.options", "colour"),
+    ({"sparsity": {"tier": 7}}, "sparsity.tier", "3"),
+    ({"max_tokens": 0}, "max_tokens", "between 1 and 32"),
+    ({"max_tokens": 33}, "max_tokens", "between 1 and 32"),
+    ({"n": 2}, "n", "greedy"),
+    ({"prompt": ["a", "b"]}, "prompt", "one string"),
+    ({"prompt": "   "}, "prompt", "empty"),
+    ({"temperature": 5}, "temperature", "2"),
+])
+def test_bad_completion_bodies_get_400_naming_the_field(server, body, param, words):
+    error = _error(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body}),
+                   400, param)
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_prompt_over_the_context_window(server):
+    long_text = "hello " * 9000
+    error = _error(post(server, "/v1/completions", {"model": MODEL, "prompt": long_text, "max_tokens": 2}), 400,
+                   "prompt")
+    assert error["code"] == "context_length_exceeded" and "8192" in error["message"]
+    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long_text}]})
+    assert _error(chat, 400, "messages")["code"] == "context_length_exceeded"
+
+
+def test_other_client_errors(server):
+    _error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
+    _error(post(server, "/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}), 404, "model")
+    bad_json = post(server, "/v1/completions", content=b'{"model": ', headers={"Content-Type": "application/json"})
+    assert "not valid JSON" in _error(bad_json, 400, None)["message"]
+    streamed_error = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": True,
+                                                      "sparsity": {"policy": "bogus"}})
+    assert streamed_error.headers["content-type"].startswith("application/json")
+    _error(streamed_error, 400, "sparsity.policy")
+    _error(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT}, headers={"X-Request-Id": "../x"}),
+           400, "X-Request-Id")
+
+
+def test_oversized_bodies_get_413_declared_or_streamed(server):
+    big = b'{"model": "' + b"x" * (65 * 1024) + b'"}'
+    _error(post(server, "/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413, None)
+
+    def chunks():
+        for _ in range(70):
+            yield b"x" * 1024
+
+    _error(post(server, "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413,
+           None)
+
+
+def test_full_queue_answers_429_at_once(server):
+    scheduler = server.state.scheduler
+    before = scrape(server.url).get("sparseety:request_rejected_total{reason=queue_full}", 0.0)
+    for _ in range(3):  # max_concurrency 1 + max_queue 2: every place taken
+        scheduler.admit()
+    try:
+        reply = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+    finally:
+        for _ in range(3):
+            scheduler.release()
+    error = _error(reply, 429, None)
+    assert error["code"] == "rate_limit_exceeded" and reply.headers["retry-after"] == "1"
+    assert scrape(server.url)["sparseety:request_rejected_total{reason=queue_full}"] == before + 1
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).status_code == 200
+
+
+def test_trace_endpoints_are_off_without_a_key_and_generation_is_open(engine, tmp_path):
+    with live_server(engine, trace_dir=tmp_path / "t", sample_rate=1.0) as srv:
+        assert httpx.get(f"{srv.url}/v1/traces").status_code == 404
+        assert httpx.get(f"{srv.url}/v1/traces/x", headers={"Authorization": "Bearer any"}).status_code == 404
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 200
