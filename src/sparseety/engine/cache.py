@@ -21,18 +21,33 @@ class SparseLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
         self.seen = 0
+        self._incoming: tuple[torch.Tensor, int] | None = None
+
+    def expect(self, positions: torch.Tensor, fed: int) -> None:
+        """Announce that the next :meth:`update` carries only the rows at ``positions`` ``[q]`` (ascending)
+        of a forward that fed ``fed`` tokens (token pruning: the other rows were dropped by an earlier layer)."""
+        self._incoming = (positions, fed)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[b, kv_heads, q, d]`` new keys/values at positions ``seen .. seen+q-1``."""
+        """Append ``[b, kv_heads, q, d]`` new keys/values at positions ``seen .. seen+q-1``
+        (or at the positions announced by :meth:`expect`, the tokens seen then advancing by the whole forward)."""
         keys, values = super().update(key_states, value_states)
         b, h, q, _ = key_states.shape
-        new = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
+        fed = q
+        if self._incoming is not None:
+            rows, fed = self._incoming
+            self._incoming = None
+            if rows.numel() != q:
+                raise RuntimeError(f"SparseLayer.update: {q} new rows, but {rows.numel()} positions were announced")
+            new = rows.to(key_states.device).expand(b, h, q)
+        else:
+            new = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
         self.positions = new.clone() if self.positions is None else torch.cat([self.positions, new], dim=-1)
         if self.state is not None:
             self.state = torch.cat([self.state, self.state.new_zeros(b, h, q)], dim=-1)
-        self.seen += q
+        self.seen += fed
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -97,6 +112,7 @@ class SparseLayer(DynamicLayer):
         super().reset()
         self.positions = self.state = None
         self.seen = 0
+        self._incoming = None
 
 
 class SparseCache(Cache):

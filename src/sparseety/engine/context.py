@@ -7,6 +7,7 @@ State lives here, never on modules. The context is made active for the duration 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -17,7 +18,9 @@ import torch
 
 from sparseety.engine.cache import SparseCache
 from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, EventLog
+from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
+from sparseety.engine.prune import PruneRun
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_keep
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
@@ -79,6 +82,9 @@ class RunContext:
     compress_once : evict only in the first forward (the long-document protocol: the context is
         compressed, the question and answer never are).
     seed : run seed for seeded policies.
+    prune : token pruning of the prompt forward, or None.
+    layers : which layers record importance (tier >= 2): all, a list, or ``auto`` (the layer with
+        the highest top-``auto_k`` mass of the last prompt row, chosen after the first forward).
     """
 
     policy: Policy
@@ -91,6 +97,12 @@ class RunContext:
     seed: int = 0
     on_prefill_layer: Callable[[int, int], None] | None = None
     probes: ModuleProbes | None = None  #: router and activation collector (tier >= 2)
+    prune: PruneRun | None = None
+    layers: LayerSelection = field(default_factory=LayerSelection)
+    auto_k: int = 16
+
+    recorded_layers: tuple[int, ...] | None = None  #: layers recording importance (None: not chosen yet)
+    layer_mass: dict[int, float] = field(default_factory=dict)  #: ``auto``: top-k mass of the last prompt row per layer
 
     forward_index: int = -1
     step: int = 0
@@ -112,6 +124,10 @@ class RunContext:
     drafts: list[tuple[int, int, int, int]] = field(default_factory=list)  #: per drafted token: (forward, step, position, token_id)
     _t0: float = 0.0
     _plan: LayerPlan | None = None
+    _recording_plan: LayerPlan | None = None
+
+    def __post_init__(self) -> None:
+        self.recorded_layers = self.layers.fixed(self.num_layers) if self.tier >= 2 else ()
 
     # -- forward lifecycle (called by model hooks) -------------------------------------------------
     def begin_forward(self, q_len: int, input_ids: torch.Tensor | None = None) -> None:
@@ -119,8 +135,10 @@ class RunContext:
         self.forward_index += 1
         seen = self.cache.layers[0].seen
         self.q_len = q_len
-        self._plan = None
+        self._plan = self._recording_plan = None
         self.prompt_forward = seen < self.input_len
+        if self.prune is not None:
+            self.prune.begin(q_len, seen, prunable=self.prompt_forward and self.forward_index == 0)
         self.step = max(0, seen + 1 - self.input_len)
         self.evicting = self.policy.evicts and not (self.compress_once and self.forward_index > 0)
         # Tokens fed beyond the one(s) this forward must process are speculative drafts.
@@ -152,6 +170,10 @@ class RunContext:
     def end_forward(self) -> None:
         """Called after every model forward."""
         elapsed = time.perf_counter() - self._t0
+        if self.prune is not None:
+            self.prune.end()
+        if self.recorded_layers is None:
+            self._choose_layer()
         if self.prompt_forward:
             self.prefill_s += elapsed
         else:
@@ -159,19 +181,50 @@ class RunContext:
             self.decode_forwards += 1
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
 
+    def _choose_layer(self) -> None:
+        """``auto``: keep the layer with the highest top-k mass (ties: the lower layer); drop the others' records."""
+        if not self.layer_mass:
+            return
+        chosen = max(sorted(self.layer_mass), key=lambda layer: self.layer_mass[layer])
+        self.recorded_layers = (chosen,)
+        others = [layer for layer in range(self.num_layers) if layer != chosen]
+        if self.importance is not None:
+            self.importance[others] = 0
+        for vector in self.step_vectors:
+            vector[others] = 0
+
+    def records(self, layer: int) -> bool:
+        """True when layer ``layer`` records importance this forward (before ``auto`` chooses: every layer)."""
+        if self.tier < 2:
+            return False
+        return self.recorded_layers is None or layer in self.recorded_layers
+
+    def prune_rows(self, layer: int) -> int:
+        """Last query rows layer ``layer`` must score for token pruning (0: it does not prune now)."""
+        return self.prune.score_rows(layer) if self.prune is not None else 0
+
     # -- per layer (called by the hook point) ---------------------------------------------------------
     def plan(self, layer: int, q: int, n: int) -> LayerPlan:
         """Which attention rows layer ``layer`` must compute for ``q`` new queries over ``n`` slots.
 
-        The plan depends only on the forward (phase, ``q``), so it is made once per forward.
+        The plan depends on the forward (phase, ``q``) and on whether the layer records importance,
+        so it is made at most twice per forward.
         """
+        plan = self._forward_plan(q)
+        if plan.last_row or not self.records(layer):
+            return plan
+        if self._recording_plan is None:
+            self._recording_plan = dataclasses.replace(plan, last_row=True)
+        return self._recording_plan
+
+    def _forward_plan(self, q: int) -> LayerPlan:
         if self._plan is None:
             policy = self.policy
             signal = Signal.NONE
             if self.evicting:
                 signal = policy.prefill_signal if self.prompt_forward else policy.decode_signal
             self._plan = LayerPlan(
-                last_row=signal is Signal.LAST_ROW or self.tier >= 2,
+                last_row=signal is Signal.LAST_ROW,
                 window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
                 colsum_stride=policy.colsum_stride(q) if signal is Signal.COLSUM else 0,
                 topk=policy.budget if policy.attends_topk and not self.prompt_forward else None,
@@ -192,8 +245,10 @@ class RunContext:
         cache_layer = self.cache.layers[layer]
         positions = cache_layer.positions
         assert positions is not None
-        if seen.last_row is not None and self.tier >= 2:
+        if seen.last_row is not None and self.records(layer):
             self._record_importance(layer, positions, seen.last_row)
+            if self.recorded_layers is None and self.forward_index == 0:
+                self.layer_mass[layer] = topk_mass(seen.last_row, self.auto_k)
         if seen.attended is not None and self.tier >= 1:
             self._record_skips(layer, positions, seen.attended, seen.skipped)
         if not self.evicting:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,11 +22,14 @@ from sparseety.engine.cache import SparseCache
 from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
 from sparseety.engine.inputs import EncodedInput
+from sparseety.engine.layers import LayerSelection, parse_layers
 from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
 from sparseety.engine.provenance import provenance
+from sparseety.engine.prune import PruneRun, install_layer_hooks
 from sparseety.engine.result import RunResult
 from sparseety.errors import InputError
 from sparseety.policies.base import Policy
+from sparseety.policies.prune import PruneSchedule
 
 
 class SparseEngine:
@@ -69,6 +72,8 @@ class SparseEngine:
         request_id: str | None = None,
         on_prefill_layer: Callable[[int, int], None] | None = None,
         streamer: Any = None,
+        prune: PruneSchedule | None = None,
+        layers: str | Sequence[int] | LayerSelection | None = None,
     ) -> RunResult:
         """Generate greedily and record the token lifecycle.
 
@@ -84,6 +89,8 @@ class SparseEngine:
         on_prefill_layer : called with ``(layer, num_layers)`` as prefill passes each layer.
         streamer : a transformers streamer (``put``/``end``) handed to ``model.generate``; it receives
             the prompt ids first, then each step's new token ids.
+        prune : token pruning of the prompt (or, in the long-document protocol, the context) forward.
+        layers : layers recording importance (tier >= 2): ``"all"`` (default), ``"auto"`` or layer numbers.
         """
         if tier not in (0, 1, 2, 3):
             raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
@@ -91,13 +98,18 @@ class SparseEngine:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if speculative is not None:
             self._check_speculative(speculative, encoded, policy)
+        selection = parse_layers(layers, self.num_layers)
+        if prune is not None:
+            prune.check_layers(self.num_layers)
+            prune.check_prompt(encoded.compress_len or encoded.input_len)
         input_ids = encoded.input_ids
         if self.max_positions and encoded.input_len + max_new_tokens > self.max_positions:
             raise InputError(
                 f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                 f"the model's context of {self.max_positions} tokens"
             )
-        with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer) as ctx:
+        with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer,
+                           prune=prune, layers=selection, top_k=top_k) as ctx:
             if encoded.compress_len is not None:
                 ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
                 self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
@@ -126,18 +138,26 @@ class SparseEngine:
         tier: int = 2,
         seed: int = 0,
         on_prefill_layer: Callable[[int, int], None] | None = None,
+        prune: PruneSchedule | None = None,
+        layers: str | Sequence[int] | LayerSelection | None = None,
+        top_k: int = 16,
     ) -> Iterator[RunContext]:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``), active inside the block.
 
         Every forward of ``self.model`` on this thread inside the block runs through the context's
-        policy and probes; pass ``past_key_values=ctx.cache``. Gradients are off.
+        policy and probes; pass ``past_key_values=ctx.cache``. Gradients are off. ``prune`` prunes
+        the block's first forward; ``layers`` and ``top_k`` select the layers recording importance.
         """
+        if prune is not None:
+            prune.check_layers(self.num_layers)
         torch.manual_seed(seed)
         ctx = RunContext(
             policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
             kv_heads=self.kv_heads, tier=tier, input_len=encoded.input_len,
             compress_once=encoded.compress_len is not None, seed=seed, on_prefill_layer=on_prefill_layer,
             probes=ModuleProbes() if tier >= 2 else None,
+            prune=PruneRun(prune, self.num_layers) if prune is not None else None,
+            layers=parse_layers(layers, self.num_layers), auto_k=top_k,
         )
         with activate(ctx), torch.inference_mode():
             yield ctx
@@ -172,6 +192,9 @@ class SparseEngine:
             for name, log in (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips)):
                 if len(log):
                     arrays.update({f"{name}.{k}": v for k, v in log.to_arrays(token_ids).items()})
+            if ctx.prune is not None:
+                arrays.update(ctx.prune.to_arrays(token_ids))
+        recorded = list(ctx.recorded_layers or ()) if tier >= 2 else None
         if tier >= 2:
             kept = {
                 str(layer): {str(h): row.tolist() for h, row in enumerate(positions[0])}
@@ -181,15 +204,17 @@ class SparseEngine:
                 importance = ctx.importance[:, :seen]
                 arrays["importance"] = importance.numpy().astype(np.float16)
                 special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
-                records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special)
+                records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special,
+                                           layers=recorded)
             probes = ctx.probes
             if probes is not None:
+                realign = ctx.prune.expand if ctx.prune is not None else (lambda _layer, values: values)
                 for layer, probs in probes.routers().items():
-                    arrays[f"router.{layer}"] = probs.astype(np.float16)
+                    arrays[f"router.{layer}"] = realign(layer, probs).astype(np.float16)
                 maxabs, zero_frac = probes.activations()
                 if maxabs:
-                    arrays["activation.maxabs"] = np.stack(list(maxabs.values())).astype(np.float16)
-                    arrays["activation.zero_frac"] = np.stack(list(zero_frac.values())).astype(np.float16)
+                    arrays["activation.maxabs"] = np.stack([realign(k, v) for k, v in maxabs.items()]).astype(np.float16)
+                    arrays["activation.zero_frac"] = np.stack([realign(k, v) for k, v in zero_frac.items()]).astype(np.float16)
         if tier >= 3 and ctx.step_vectors:
             width = max(v.shape[1] for v in ctx.step_vectors)
             stacked = np.full((len(ctx.step_vectors), self.num_layers, width), np.nan, dtype=np.float16)
@@ -218,8 +243,14 @@ class SparseEngine:
             decode_s=ctx.decode_s,
             important_tokens=records,
             token_texts=self.tokenizer.batch_decode([[int(i)] for i in token_ids]) if tier >= 2 else [],
-            provenance=provenance(self.model, self.model_name, policy, tier, top_k),
+            provenance=provenance(self.model, self.model_name, policy, tier, top_k, layers=ctx.layers.text(),
+                                  recorded_layers=recorded,
+                                  prune=ctx.prune.schedule.params() if ctx.prune is not None else None),
             arrays=arrays,
+            pruned_tokens=(ctx.prune.pruned_positions() if ctx.prune is not None else 0) if tier >= 1 else None,
+            prune=ctx.prune.schedule.params() if ctx.prune is not None else None,
+            layer_selection=ctx.layers.text(),
+            extraction_layers=recorded,
         )
 
 
@@ -246,9 +277,14 @@ def _install_hooks(model: torch.nn.Module) -> None:
         if ctx is not None:
             ctx.end_forward()
 
+    def active_prune() -> tuple[PruneRun, SparseCache] | None:
+        ctx = active_context()
+        return None if ctx is None or ctx.prune is None else (ctx.prune, ctx.cache)
+
     model.register_forward_pre_hook(begin, with_kwargs=True)
     model.register_forward_hook(end)
     attach_probe_hooks(model, lambda: getattr(active_context(), "probes", None))
+    install_layer_hooks(model, active_prune)
     setattr(model, _HOOKED, True)
 
 

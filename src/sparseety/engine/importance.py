@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -13,7 +13,8 @@ from sparseety.schema import TokenRecord
 
 
 def important_tokens(token_ids: np.ndarray, importance: torch.Tensor, prompt_len: int, top_k: int,
-                     decode: Callable[[int], str] | None, special_ids: tuple[int, ...] = ()) -> list[TokenRecord]:
+                     decode: Callable[[int], str] | None, special_ids: tuple[int, ...] = (),
+                     layers: Sequence[int] | None = None) -> list[TokenRecord]:
     """Rank the tokens the model attended to while generating.
 
     Parameters
@@ -25,6 +26,7 @@ def important_tokens(token_ids: np.ndarray, importance: torch.Tensor, prompt_len
     top_k : records per ranking.
     special_ids : token ids left out of the rankings (BOS and chat-template markers act as attention
         sinks and would otherwise top every ranking; their mass stays in the trace's importance array).
+    layers : layers that recorded importance (the others hold zeros and get no ranking); None: all.
 
     Returns
     -------
@@ -34,6 +36,6 @@ def important_tokens(token_ids: np.ndarray, importance: torch.Tensor, prompt_len
                               exclude_special=bool(special_ids), special_ids=tuple(special_ids))
     ids = torch.as_tensor(token_ids)
     records = extract(ids, importance.sum(dim=0, keepdim=True), config, decode, prompt_len=prompt_len)
-    for layer in range(importance.shape[0]):
+    for layer in range(importance.shape[0]) if layers is None else layers:
         records += extract(ids, importance[layer : layer + 1], config, decode, prompt_len=prompt_len, layer=layer)
     return records

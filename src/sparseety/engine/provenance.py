@@ -14,8 +14,10 @@ from sparseety.schema import SCHEMA_VERSION
 
 
 def provenance(model: torch.nn.Module, model_name: str, policy: Policy, tier: int, top_k: int,
-               sample_rate: float = 1.0) -> dict[str, Any]:
-    """Schema version, model id and revision, library versions, policy, extraction config, tier, sampling."""
+               sample_rate: float = 1.0, *, layers: str = "all", recorded_layers: list[int] | None = None,
+               prune: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Schema version, model id and revision, library versions, policy, token pruning, extraction config
+    (with the layer selection and the layers that recorded), tier, sampling."""
     config = model.config
     return {
         "schema_version": SCHEMA_VERSION,
@@ -31,9 +33,10 @@ def provenance(model: torch.nn.Module, model_name: str, policy: Policy, tier: in
         "policy": policy.name,
         "policy_params": policy.params(),
         "budget": policy.budget,
+        "prune": prune,
         "extraction": {"score_type": "attention", "signal": "attention received while generating",
                        "top_k": top_k, "normalize": "max", "min_score": 0.0,
-                       "exclude_special": True},
+                       "exclude_special": True, "layers": layers, "recorded_layers": recorded_layers},
         "tier": tier,
         "sample_rate": sample_rate,
     }

@@ -41,6 +41,10 @@ class RunResult:
     provenance: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     trace_path: str | None = None
+    pruned_tokens: int | None = None  #: distinct prompt positions dropped by token pruning (tier >= 1)
+    prune: dict[str, Any] | None = None  #: the pruning schedule and options, None without pruning
+    layer_selection: str = "all"  #: ``--layers`` as given: all, auto or a list
+    extraction_layers: list[int] | None = None  #: layers that recorded importance (tier >= 2)
 
     @property
     def token_ids(self) -> list[int]:
@@ -90,7 +94,10 @@ class RunResult:
                 "kv_cache_bytes_dense": self.kv_cache_bytes_dense,
                 "draft_tokens": self.draft_tokens,
                 "draft_rejected": self.draft_rejected,
+                "pruned_tokens": self.pruned_tokens,
+                "prune": self.prune,
             },
+            "extraction": {"layers": self.layer_selection, "recorded_layers": self.extraction_layers},
             "important_tokens": [r.to_dict() for r in self.important_tokens],
             "timings": {
                 "prefill_s": round(self.prefill_s, 6),
