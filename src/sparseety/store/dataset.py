@@ -100,7 +100,7 @@ def write_part(root: Path, table: str, day: date, data: pa.Table, *, compression
     final = folder / name
     tmp = folder / f".{name}.tmp"
     try:
-        pq.write_table(data.cast(file_schema(table)), tmp, compression=compression)
+        pq.write_table(data.combine_chunks().cast(file_schema(table)), tmp, compression=compression)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from sparseety.schema import SCHEMA_VERSION
 from sparseety.store.privacy import names_text, redact_text, redact_tokens, redact_value
-from sparseety.store.tables import IMPORTANT_TOKENS, REQUESTS, SIGNALS, TOKEN_EVENTS
+from sparseety.store.tables import SIGNALS, TOKEN_EVENTS
 
 if TYPE_CHECKING:
     from sparseety.engine.result import RunResult
@@ -46,11 +46,27 @@ class StoreOptions:
 
 @dataclass
 class RequestRows:
-    """The rows one request adds: one Arrow table per dataset table, and its partition day."""
+    """The rows one request adds, per dataset table: an Arrow table (columnar tables) or a list of
+    row dicts (``requests``, ``important_tokens``: converted once per batch, which is much cheaper)."""
 
     request_id: str
     created_at: datetime
-    tables: dict[str, pa.Table]
+    tables: dict[str, pa.Table | list[dict[str, Any]]]
+
+    def row_count(self) -> int:
+        """Rows in the largest table."""
+        return max(len(t) for t in self.tables.values())
+
+
+def to_table(schema: pa.Schema, parts: list[pa.Table | list[dict[str, Any]]]) -> pa.Table:
+    """One Arrow table of ``schema`` from Arrow tables and row-dict lists."""
+    dicts = [row for part in parts if isinstance(part, list) for row in part]
+    tables = [part for part in parts if isinstance(part, pa.Table)]
+    if dicts:
+        tables.append(pa.Table.from_pylist(dicts, schema=schema))
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
 def request_rows(
@@ -132,12 +148,12 @@ def request_rows(
         "extra_json": None if extra is None else json.dumps(extra, default=_json_default),
     }
     tables = {
-        "requests": pa.Table.from_pylist([request], schema=REQUESTS),
+        "requests": [request],
         "token_events": events,
         "important_tokens": _important(result.request_id, records, token_ids, texts, masked, options),
         "signals": signals,
     }
-    return RequestRows(result.request_id, created, {k: v for k, v in tables.items() if v.num_rows})
+    return RequestRows(result.request_id, created, {k: v for k, v in tables.items() if len(v)})
 
 
 def _document(result: RunResult, tier: int, manifest: dict[str, Any], full: bool) -> dict[str, Any]:
@@ -267,9 +283,7 @@ def _signal_rows(request_id: str, name: str, array: np.ndarray) -> pa.Table:
 
 
 def _important(request_id: str, records: list, token_ids: np.ndarray, texts: list[str] | None,
-               masked: dict[int, str], options: StoreOptions) -> pa.Table:
-    if not records:
-        return IMPORTANT_TOKENS.empty_table()
+               masked: dict[int, str], options: StoreOptions) -> list[dict[str, Any]]:
     rows = []
     for seq, record in enumerate(records):
         row = record.to_dict()
@@ -286,7 +300,7 @@ def _important(request_id: str, records: list, token_ids: np.ndarray, texts: lis
         row["experts"] = None if experts is None else [{"expert_id": int(e), "prob": float(p)} for e, p in experts]
         row.update(request_id=request_id, seq=seq)
         rows.append(row)
-    return pa.Table.from_pylist(rows, schema=IMPORTANT_TOKENS)
+    return rows
 
 
 def _drop_text(value: Any) -> Any:

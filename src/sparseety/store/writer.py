@@ -18,11 +18,9 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
 from sparseety.errors import ConfigError, SparseetyError
 from sparseety.store.dataset import create_dataset, write_part
-from sparseety.store.rows import RequestRows, StoreOptions, request_rows
+from sparseety.store.rows import RequestRows, StoreOptions, request_rows, to_table
 from sparseety.store.sampling import check_rate, should_sample
 from sparseety.store.tables import TABLES
 
@@ -242,7 +240,7 @@ class TraceWriter:
         if not self._pending:
             self._pending_since = time.monotonic()
         self._pending.append(rows)
-        self._pending_rows += max(t.num_rows for t in rows.tables.values())
+        self._pending_rows += rows.row_count()
 
     def _commit(self) -> None:
         batch, self._pending, self._pending_rows = self._pending, [], 0
@@ -286,8 +284,7 @@ def commit_rows(root: Path, batch: list[RequestRows], *, compression: str = "zst
         for day, group in sorted(by_day.items()):
             parts = [rows.tables[table] for rows in group if table in rows.tables]
             if parts:
-                data = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-                files.append(write_part(root, table, day, data, compression=compression))
+                files.append(write_part(root, table, day, to_table(TABLES[table], parts), compression=compression))
     assert set(_TABLE_ORDER) == set(TABLES)
     return Commit(request_ids=[rows.request_id for rows in batch], files=files)
 
