@@ -13,6 +13,7 @@ from rich.progress import Progress
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.run_inputs import RunInputs, read_text
+from sparseety.errors import InputError
 
 __all__ = ["run", "read_text"]
 
@@ -38,6 +39,12 @@ def run(
     seed: int = opt.SEED_OPT,
     as_json: bool = opt.JSON_OPT,
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the HTML report next to the trace."),
+    prune_schedule: str | None = typer.Option(
+        None, "--prune-schedule",
+        help="Token pruning, layer:fraction pairs: 8:0.3,16:0.5 drops 0.3 of the prompt tokens after layer 8, "
+             "then 0.5 of those left after layer 16."),
+    prune_opt: list[str] = typer.Option([], "--prune-opt", help="Pruning option key=value: keep_recent, sinks, window."),
+    layers: str = typer.Option("all", "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29."),
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
@@ -49,6 +56,13 @@ def run(
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
                        tier, top_k)
     inputs.check()
+    from sparseety.engine.layers import parse_layers
+    from sparseety.policies.prune import parse_prune_opts, parse_prune_schedule
+
+    if prune_opt and prune_schedule is None:
+        raise InputError("--prune-opt needs --prune-schedule")
+    schedule = parse_prune_schedule(prune_schedule, parse_prune_opts(prune_opt)) if prune_schedule is not None else None
+    selection = parse_layers(layers)
     sources = inputs.read_sources()
 
     lm, tokenizer = load_model(model)
@@ -61,7 +75,7 @@ def run(
         task = progress.add_task(f"prefill {encoded.input_len} tokens", total=engine.num_layers)
         result = engine.generate(
             encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-            speculative=speculative, seed=seed,
+            speculative=speculative, seed=seed, prune=schedule, layers=selection,
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
         )
     if tier >= 1:

@@ -23,6 +23,15 @@ def _runs(rows: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
     return merged
 
 
+def _token_counts(result: RunResult) -> str:
+    """Prompt rows each layer computed, consecutive equal layers merged: ``0-8: 300, 9-29: 150``."""
+    counts = result.arrays.get("layer_tokens")
+    if counts is None:
+        return "not recorded"
+    runs = _runs([(layer, int(n), 0) for layer, n in enumerate(counts)])
+    return ", ".join(f"{a}-{b}: {n}" if a != b else f"{a}: {n}" for a, b, n, _ in runs)
+
+
 def print_summary(result: RunResult, console: Console, top: int = 10) -> None:
     """Token counts, KV memory against dense, top important tokens, and per-layer kept/evicted."""
     prompt, completion = len(result.prompt_ids), len(result.output_ids)
@@ -35,7 +44,11 @@ def print_summary(result: RunResult, console: Console, top: int = 10) -> None:
         f" ({result.kv_cache_bytes_peak / max(1, result.kv_cache_bytes_dense):.1%})\n"
         f"evicted positions {result.evicted_positions}, eviction events {result.eviction_events}, "
         f"skipped (top-k) {result.skipped_events}, drafts {result.draft_tokens} (rejected {result.draft_rejected})\n"
-        f"timings: prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s"
+        + (f"pruned tokens {result.pruned_tokens} (schedule {result.prune['schedule']}); prompt tokens per layer "
+           f"{_token_counts(result)}\n" if result.prune else "")
+        + (f"important tokens from layers {result.extraction_layers} (--layers {result.layer_selection})\n"
+           if result.layer_selection != "all" and result.extraction_layers is not None else "")
+        + f"timings: prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s"
         + (f" ({tps:.1f} tokens/s)" if tps else "")
     )
     overall = [r for r in result.important_tokens if r.layer is None][:top]

@@ -96,6 +96,17 @@ class PruneSchedule:
         return left
 
 
+def parse_prune_opts(items: list[str]) -> dict[str, str]:
+    """Parse repeated ``--prune-opt key=value`` strings."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--prune-opt expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def parse_prune_schedule(text: str, options: dict[str, Any] | None = None) -> PruneSchedule:
     """Parse ``"8:0.3,16:0.5"`` plus options (``keep_recent``, ``sinks``, ``window``; strings are converted).
 
