@@ -45,6 +45,11 @@ def run(
              "then 0.5 of those left after layer 16."),
     prune_opt: list[str] = typer.Option([], "--prune-opt", help="Pruning option key=value: keep_recent, sinks, window."),
     layers: str = typer.Option("all", "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29."),
+    redact: bool = typer.Option(False, "--redact", help="Replace emails, phones, IPs, cards and API keys in stored text."),
+    ids_only: bool = typer.Option(False, "--ids-only", help="Store token ids and no text at all."),
+    sample_rate: float = typer.Option(
+        1.0, "--sample-rate", help="Fraction of request ids traced at --tier (by a stable hash); the rest at tier 1."),
+    force_trace: bool = typer.Option(False, "--force-trace", help="Trace this request at tier 3 whatever the sample."),
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
@@ -63,6 +68,12 @@ def run(
         raise InputError("--prune-opt needs --prune-schedule")
     schedule = parse_prune_schedule(prune_schedule, parse_prune_opts(prune_opt)) if prune_schedule is not None else None
     selection = parse_layers(layers)
+    import uuid
+
+    from sparseety.store import trace_tier
+
+    request_id = uuid.uuid4().hex  # decided first: the sample and the forced tier depend on it
+    tier = trace_tier(request_id, sample_rate, tier=tier, force=force_trace)
     sources = inputs.read_sources()
 
     lm, tokenizer = load_model(model)
@@ -75,11 +86,12 @@ def run(
         task = progress.add_task(f"prefill {encoded.input_len} tokens", total=engine.num_layers)
         result = engine.generate(
             encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-            speculative=speculative, seed=seed, prune=schedule, layers=selection,
+            speculative=speculative, seed=seed, prune=schedule, layers=selection, request_id=request_id,
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
         )
     if tier >= 1:
-        result.trace_path = str(write_trace(result, trace_dir))
+        result.trace_path = str(write_trace(result, trace_dir, redact=redact, ids_only=ids_only,
+                                            sample_rate=sample_rate))
     report_path = None
     if tier >= 1 and not no_report:
         from sparseety.report import write_report
