@@ -234,8 +234,9 @@ function traceReport() {
         box.append(el("div", {text: `evicted in ${n} of ${L} layers:`}));
         for (const [step, g] of groups) {
           const parts = [];
-          if (g.all.length) parts.push(`layers ${ranges(g.all)} (all KV heads)`);
-          if (g.some.length) parts.push(`layers ${ranges(g.some)} (some of ${T.kv_heads} KV heads)`);
+          const layers = (ls) => `layer${ls.length > 1 ? "s" : ""} ${ranges(ls)}`;
+          if (g.all.length) parts.push(`${layers(g.all)} (all KV heads)`);
+          if (g.some.length) parts.push(`${layers(g.some)} (some of ${T.kv_heads} KV heads)`);
           box.append(el("div", {text: `  step ${step}${step === 0 ? " (prefill)" : ""}: ${parts.join("; ")}`}));
         }
       }
