@@ -485,6 +485,7 @@ function tuneReport() {
 
 try {
   if (D.kind === "trace") traceReport(); else if (D.kind === "passkey") passkeyReport(); else if (D.kind === "tune") tuneReport();
+  root.setAttribute("data-ready-ms", performance.now().toFixed(1));
   root.setAttribute("data-ready", "1");
 } catch (err) {
   root.prepend(el("div", {class: "note", text: `This report could not draw its charts: ${err}`}));
