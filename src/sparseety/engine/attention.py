@@ -180,14 +180,15 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         seen.last_row = seen.window[:, :, -1]
     elif plan.last_row and seen.last_row is None:
         seen.last_row = row_probs(query[:, :, q - 1:], key, scaling)[:, :, 0]
-    prune_rows = min(q, ctx.prune_rows(layer))
+    drafts = ctx.drafts_in_forward
+    prune_rows = min(q - drafts, ctx.prune_rows(layer))
     if prune_rows > 0:  # token pruning after this layer: reuse the rows computed above where they suffice
-        if seen.window is not None and seen.window.shape[2] >= prune_rows:
+        if drafts == 0 and seen.window is not None and seen.window.shape[2] >= prune_rows:
             probs = seen.window[:, :, -prune_rows:]
-        elif prune_rows == 1 and seen.last_row is not None:
+        elif drafts == 0 and prune_rows == 1 and seen.last_row is not None:
             probs = seen.last_row.unsqueeze(2)
-        else:
-            probs = row_probs(query[:, :, q - prune_rows:], key, scaling)
+        else:  # the last prompt rows, over the keys they see (drafts fed after the prompt excluded)
+            probs = row_probs(query[:, :, q - drafts - prune_rows: q - drafts], key[:, :, : n - drafts], scaling)
         assert ctx.prune is not None
         ctx.prune.take_scores(probs)
     ctx.observe(layer, key, seen)

@@ -137,13 +137,14 @@ class RunContext:
         self.q_len = q_len
         self._plan = self._recording_plan = None
         self.prompt_forward = seen < self.input_len
-        if self.prune is not None:
-            self.prune.begin(q_len, seen, prunable=self.prompt_forward and self.forward_index == 0)
         self.step = max(0, seen + 1 - self.input_len)
         self.evicting = self.policy.evicts and not (self.compress_once and self.forward_index > 0)
         # Tokens fed beyond the one(s) this forward must process are speculative drafts.
         self.drafts_in_forward = max(0, q_len - max(1, self.input_len - seen))
         self.draft_tokens += self.drafts_in_forward
+        if self.prune is not None:
+            self.prune.begin(q_len, seen, prunable=self.prompt_forward and self.forward_index == 0,
+                             drafts=self.drafts_in_forward)
         if self.drafts_in_forward and self.tier >= 1:
             first = seen + q_len - self.drafts_in_forward
             ids = input_ids[0, -self.drafts_in_forward:].tolist() if input_ids is not None else [-1] * self.drafts_in_forward

@@ -51,6 +51,7 @@ class PruneRun:
     active: bool = False  #: the forward in progress is the pruned one
     q_full: int = 0  #: rows fed to the pruned forward
     base: int = 0  #: tokens seen before it (position of its row 0)
+    drafts: int = 0  #: speculative drafts fed after the prompt in that forward (never scored, never pruned)
     rows: torch.Tensor | None = None  #: ``[r]`` indices (into the forward's rows) still alive; None = all
     pending: torch.Tensor | None = None  #: ``[r]`` row scores from the last pruning layer, not yet applied
     layer_tokens: list[int] = field(default_factory=list)  #: prompt rows each layer computed
@@ -58,12 +59,13 @@ class PruneRun:
     events: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  #: (layer, positions, scores)
     done: bool = False
 
-    def begin(self, q_len: int, seen: int, prunable: bool) -> None:
-        """Start a forward of ``q_len`` rows after ``seen`` tokens; only the first prunable forward is pruned."""
+    def begin(self, q_len: int, seen: int, prunable: bool, drafts: int = 0) -> None:
+        """Start a forward of ``q_len`` rows (the last ``drafts`` of them speculative drafts) after ``seen``
+        tokens; only the first prunable forward is pruned."""
         self.active = prunable and not self.done
         if self.active:
             self.done = True
-            self.q_full, self.base = q_len, seen
+            self.q_full, self.base, self.drafts = q_len, seen, drafts
             self.rows, self.pending = None, None
             self.layer_tokens = [q_len] * self.num_layers
 
@@ -76,10 +78,12 @@ class PruneRun:
         return self.schedule.window if self.active and self.schedule.fraction_after(layer) is not None else 0
 
     def take_scores(self, probs: torch.Tensor) -> None:
-        """Row scores from ``probs`` ``[b, heads, w, n]``, the last ``w`` rows' probabilities (new rows are the last slots)."""
-        q = self.q_full if self.rows is None else self.rows.numel()
+        """Row scores from ``probs`` ``[b, heads, w, n]``: the probabilities of the last ``w`` prompt rows over
+        the ``n`` slots they see (this forward's prompt rows are the last of those slots; drafts score 0)."""
+        q = (self.q_full if self.rows is None else self.rows.numel()) - self.drafts
         n = probs.shape[-1]
-        self.pending = probs[0, :, :, n - q:].float().mean(dim=(0, 1)).cpu()
+        scores = probs[0, :, :, n - q:].float().mean(dim=(0, 1)).cpu()
+        self.pending = torch.cat([scores, scores.new_zeros(self.drafts)])
 
     def before_layer(self, layer: int, args: tuple, kwargs: dict[str, Any],
                      cache_layer: SparseLayer | None) -> tuple[tuple, dict[str, Any]] | None:
@@ -120,8 +124,9 @@ class PruneRun:
         rows = torch.arange(self.q_full) if self.rows is None else self.rows
         r = rows.numel()
         positions = self.base + rows
-        protected = (positions < self.schedule.sinks) | (rows >= self.q_full - max(1, self.schedule.keep_recent))
-        count = min(prune_count(fraction, r), r - int(protected.sum()))
+        prompt_end = self.q_full - self.drafts
+        protected = (positions < self.schedule.sinks) | (rows >= prompt_end - max(1, self.schedule.keep_recent))
+        count = min(prune_count(fraction, r - self.drafts), r - int(protected.sum()))
         if count <= 0:
             return None
         ranked = scores.masked_fill(protected, float("inf"))
