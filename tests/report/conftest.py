@@ -15,13 +15,13 @@ PROMPT = "Explain in one sentence why the sky is blue. <script>alert(1)</script>
 
 @pytest.fixture(scope="session")
 def real_trace_dir(smollm_engine, tmp_path_factory) -> Path:
-    """A trace dataset holding one h2o run (budget 32, 12 new tokens, tier 3) of the default model."""
+    """A trace dataset holding one h2o run (budget 32, 8 new tokens, tier 3) of the default model."""
     from sparseety.engine import encode_prompt
     from sparseety.policies import build_policy
     from sparseety.store import write_trace
 
     encoded = encode_prompt(smollm_engine.tokenizer, PROMPT, True)
-    result = smollm_engine.generate(encoded, build_policy("h2o", 32, {}), max_new_tokens=12, tier=3, top_k=8)
+    result = smollm_engine.generate(encoded, build_policy("h2o", 32, {}), max_new_tokens=8, tier=3, top_k=8)
     trace_dir = tmp_path_factory.mktemp("real-traces")
     write_trace(result, trace_dir)
     return trace_dir

@@ -164,3 +164,23 @@ def test_two_reports_embedded_in_one_page(browser, real_trace, tmp_path: Path):
     assert roots.nth(0).locator(".timeline-layer").inner_text() == "all layers"
     assert roots.nth(1).locator(".timeline-layer").inner_text() == "layer 2"
     page.clean()
+
+
+def test_tier1_ids_only_trace_draws_without_scores(browser, real_trace, tmp_path: Path):
+    """No importance, no final cache, no token texts: the page still draws and says what is missing."""
+    document = copy.deepcopy(real_trace.document)
+    document.update(tier=1, token_texts=[], important_tokens=[])
+    document["sparsity"]["kept_positions_final"] = None
+    arrays = {k: v for k, v in real_trace.arrays.items() if k.startswith("evicted.")}
+    trace = StoredTrace(document=document, arrays=arrays, path=real_trace.path)
+    page = open_report(browser, render_html(trace), tmp_path, "tier1.html")
+    p = page.page
+    notes = p.locator(".note").all_inner_texts()
+    assert any("no importance scores" in n for n in notes) and any("ids-only" in n for n in notes)
+    first_id = document["prompt_token_ids"][0]
+    assert p.locator('.tok[data-p="0"]').inner_text() == f"⟨{first_id}⟩"
+    assert p.locator('section[data-section="top-tokens"]').count() == 0
+    assert p.locator('section[data-section="timeline"] canvas').count() == 1
+    p.locator(f'.tok[data-p="{int(arrays["evicted.position"][0])}"]').hover()
+    assert "score" not in p.locator(".tip").inner_text() and "evicted in" in p.locator(".tip").inner_text()
+    page.clean()

@@ -100,7 +100,7 @@ def test_trace_of_another_major_schema(real_trace, tmp_path: Path, version: str,
 
 def test_run_writes_a_report_unless_told_not_to(tmp_path: Path):
     args = ["run", "--prompt", "Name two colours.", "--policy", "streaming", "--budget", "16",
-            "--max-new-tokens", "4", "--trace-dir", str(tmp_path)]
+            "--max-new-tokens", "2", "--trace-dir", str(tmp_path)]
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     line = [x for x in result.stdout.splitlines() if x.startswith("report: ")]

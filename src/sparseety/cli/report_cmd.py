@@ -12,13 +12,15 @@ from sparseety.cli.app import app, user_errors
 @app.command("report")
 @user_errors
 def report(
-    trace: Path = typer.Argument(..., help="Trace path, trace directory, or a `bench passkey` / `tune` JSON file."),
+    trace: Path = typer.Argument(..., metavar="TRACE", help="Trace path, trace directory, or a `bench passkey` / `tune` JSON file."),
     out: Path | None = typer.Option(None, "-o", "--out", help="HTML file to write (default: <trace dir>/reports/<id>.html)."),
     png: Path | None = typer.Option(None, "--png", help="Also write the figures as PNG files into this directory."),
     layer: int | None = typer.Option(None, "--layer", help="Layer selected when the report opens (default: all layers)."),
     request_id: str | None = typer.Option(None, "--request-id", help="Which request of a trace directory (default: newest)."),
 ) -> None:
-    """Write an HTML report people can open anywhere, offline: text shaded by importance, eviction timeline, ..."""
+    """Write one self-contained HTML report (opens offline, no network): summary, text shaded by importance
+    with token details on hover, eviction timeline per layer, kept fraction per layer, top tokens, and the
+    compare / MoE / draft / pruning / passkey / tune sections the source has."""
     from sparseety.report.html import render_view
     from sparseety.report.write import default_report_path, report_view, write_html
     from sparseety.report.plots import save_figures
