@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx2 as httpx
 import openai
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from conftest import MODEL, live_server, scrape
 from sparseety.engine import encode_prompt
 from sparseety.policies import build_policy
+from sparseety.store import load_trace
 
 KEY = "test-key"
 BUDGET = 20
@@ -32,7 +35,10 @@ def client(server):
 def post(server, path, body=None, *, key=KEY, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     headers.update(kwargs.pop("headers", {}))
-    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120, **kwargs)
+    if body is not None:  # json.dumps escapes lone surrogates, which a client may send
+        kwargs["content"] = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    return httpx.post(f"{server.url}{path}", headers=headers, timeout=120, **kwargs)
 
 
 def direct(engine, text, chat, policy, max_tokens):
@@ -202,6 +208,8 @@ def _error(response: httpx.Response, status: int, param: str | None) -> dict:
     ({"prompt": ["a", "b"]}, "prompt", "one string"),
     ({"prompt": "   "}, "prompt", "empty"),
     ({"temperature": 5}, "temperature", "2"),
+    ({"prompt": "broken \ud800 text"}, "prompt", "Unicode"),
+    ({"seed": -1}, "seed", "greater than or equal to 0"),
 ])
 def test_bad_completion_bodies_get_400_naming_the_field(server, body, param, words):
     error = _error(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body}),
@@ -220,6 +228,8 @@ def test_prompt_over_the_context_window(server):
 
 def test_other_client_errors(server):
     _error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
+    lone_surrogate = {"model": MODEL, "messages": [{"role": "user", "content": "hi \ud83d"}]}
+    assert "Unicode" in _error(post(server, "/v1/chat/completions", lone_surrogate), 400, "messages")["message"]
     _error(post(server, "/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}), 404, "model")
     bad_json = post(server, "/v1/completions", content=b'{"model": ', headers={"Content-Type": "application/json"})
     assert "not valid JSON" in _error(bad_json, 400, None)["message"]
@@ -259,8 +269,13 @@ def test_full_queue_answers_429_at_once(server):
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).status_code == 200
 
 
-def test_trace_endpoints_are_off_without_a_key_and_generation_is_open(engine, tmp_path):
-    with live_server(engine, trace_dir=tmp_path / "t", sample_rate=1.0) as srv:
+def test_trace_endpoints_are_off_without_a_key_and_redaction_reaches_the_store(engine, tmp_path):
+    with live_server(engine, trace_dir=tmp_path / "t", sample_rate=1.0, redact=True) as srv:
         assert httpx.get(f"{srv.url}/v1/traces").status_code == 404
         assert httpx.get(f"{srv.url}/v1/traces/x", headers={"Authorization": "Bearer any"}).status_code == 404
         assert httpx.get(f"{srv.url}/v1/models").status_code == 200
+        body = {"model": MODEL, "prompt": "Write to bob.smith@example.com about", "max_tokens": 2}
+        assert post(srv, "/v1/completions", body, key=None, headers={"X-Request-Id": "secret-1"}).status_code == 200
+        assert srv.state.tracer.writer.flush(60)
+    stored = json.dumps(load_trace(tmp_path / "t", "secret-1").document)
+    assert "bob.smith@example.com" not in stored and "[EMAIL]" in stored

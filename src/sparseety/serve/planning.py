@@ -52,10 +52,20 @@ def check_request_id(value: str) -> str:
     return value
 
 
+def _check_text(text: str, param: str) -> str:
+    """JSON may carry lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}",
+                       param=param, code="invalid_value") from None
+    return text
+
+
 def _chat_ids(tokenizer: Any, body: ChatCompletionRequest) -> EncodedInput:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": m.role, "content": _check_text(m.text(), "messages")} for m in body.messages]
     if not any(m["content"].strip() for m in messages):
         raise APIError(400, "every message is empty", param="messages", code="invalid_value")
     try:
@@ -73,6 +83,7 @@ def _completion_ids(tokenizer: Any, body: CompletionRequest) -> EncodedInput:
             raise APIError(400, f"prompt must be one string (batched prompts are not supported), got a list of "
                            f"{len(prompt)}", param="prompt", code="invalid_value")
         prompt = prompt[0]
+    _check_text(prompt, "prompt")
     try:
         return encode_prompt(tokenizer, prompt, chat=False)
     except SparseetyError as exc:

@@ -1,0 +1,193 @@
+"""Serving benchmark: requests/s and latency of ``sparseety serve`` with tracing off, 5% and 100% sampling.
+
+One process loads the default model once and starts three servers on loopback (uvicorn in threads) on
+that one engine, differing only in tracing: ``off`` (no trace store), ``5%`` and ``100%`` sampling into
+a fresh trace store each. Rounds interleave the three configurations (the order rotates every round) so
+that noise from other processes on the machine hits all three alike. In each round, ``--concurrency``
+client threads send ``--requests`` chat requests (``max_tokens`` fixed, distinct request ids, prompts
+cut from ``/usr/share/common-licenses/GPL-3``) to one server, and the round's requests/s is requests over
+the round's wall time. Figures per configuration: requests/s pooled over rounds, the median of the
+per-round ratios to ``off``, p50/p99 of end-to-end latency as the client saw it.
+
+Targets (issue 7): 5% sampling at least 0.97 of off; 100% at least 0.85.
+
+Usage::
+
+    .venv/bin/python benchmarks/serve_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
+        [--max-concurrency 2] [--max-tokens 16] [--threads 1] [--output benchmarks/results/serve_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results" / "serve_bench.json"
+TARGETS = {"5%": 0.97, "100%": 0.85}
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+class Server:
+    """uvicorn in a daemon thread on 127.0.0.1 (a free port)."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+def prompts(count: int, words: int) -> list[str]:
+    """``count`` different passages of ``words`` words from the GPL-3 text, each with a question."""
+    tokens = TEXT.read_text(encoding="utf-8").split()
+    step = max(1, (len(tokens) - words) // count)
+    return [" ".join(tokens[i * step : i * step + words]) + "\n\nSummarize this in one sentence." for i in range(count)]
+
+
+def run_round(url: str, texts: list[str], ids: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[float]]:
+    """Send every prompt with ``concurrency`` clients; returns (wall seconds, per-request latencies)."""
+    import httpx2 as httpx
+
+    client = httpx.Client(timeout=600)
+
+    def one(i: int) -> float:
+        start = time.perf_counter()
+        reply = client.post(f"{url}/v1/chat/completions", headers={"X-Request-Id": ids[i]}, json={
+            "model": "smollm2-135m", "messages": [{"role": "user", "content": texts[i]}], "max_tokens": max_tokens})
+        if reply.status_code != 200:
+            raise SystemExit(f"request failed: {reply.status_code} {reply.text}")
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        latencies = list(pool.map(one, range(len(texts))))
+    wall = time.perf_counter() - start
+    client.close()
+    return wall, latencies
+
+
+def source_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=16, help="requests per configuration per round")
+    parser.add_argument("--concurrency", type=int, default=4, help="client threads")
+    parser.add_argument("--max-concurrency", type=int, default=2, help="server worker threads")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparseety.engine import SparseEngine
+    from sparseety.models import load_model
+    from sparseety.serve import ServeConfig, create_app
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model("smollm2-135m")
+    engine = SparseEngine(model, tokenizer, "smollm2-135m")
+    workdir = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    common = dict(model="smollm2-135m", max_concurrency=args.max_concurrency, max_queue=4 * args.concurrency)
+    configs = {
+        "off": ServeConfig(**common),
+        "5%": ServeConfig(**common, trace_dir=workdir / "five", sample_rate=0.05),
+        "100%": ServeConfig(**common, trace_dir=workdir / "all", sample_rate=1.0),
+    }
+    servers = {name: Server(create_app(config, engine)) for name, config in configs.items()}
+    texts = prompts(args.requests, args.prompt_words)
+    warm = servers["off"]
+    run_round(warm.url, texts[:2], ["warm-0", "warm-1"], 2, args.max_tokens)
+
+    names = list(configs)
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    latencies: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % 3:] + names[: r % 3]
+        for name in order:
+            ids = [f"bench-{name.strip('%')}-{r}-{i}" for i in range(args.requests)]
+            wall, lat = run_round(servers[name].url, texts, ids, args.concurrency, args.max_tokens)
+            walls[name].append(wall)
+            latencies[name].extend(lat)
+            print(f"round {r} {name:>4}: {args.requests / wall:.3f} req/s", flush=True)
+
+    writer_stats = {}
+    for name, server in servers.items():
+        tracer = server.app.state.serve.tracer
+        if tracer.enabled:
+            tracer.writer.flush(300)
+            stats = tracer.stats()
+            writer_stats[name] = {"accepted": stats.accepted, "dropped_records": stats.dropped_records,
+                                  "committed_requests": stats.committed_requests}
+        server.stop()
+
+    figures = {}
+    for name in names:
+        lat = np.asarray(latencies[name])
+        figures[name] = {
+            "requests_per_s": args.rounds * args.requests / sum(walls[name]),
+            "round_requests_per_s": [args.requests / w for w in walls[name]],
+            "latency_p50_s": float(np.percentile(lat, 50)),
+            "latency_p99_s": float(np.percentile(lat, 99)),
+            "requests": int(lat.size),
+        }
+    targets = {}
+    for name, target in TARGETS.items():
+        pooled = figures[name]["requests_per_s"] / figures["off"]["requests_per_s"]
+        per_round = statistics.median(walls["off"][r] / walls[name][r] for r in range(args.rounds))
+        targets[f"{name} sampling requests/s vs off"] = {
+            "target": target, "pooled_ratio": pooled, "median_round_ratio": per_round, "met": pooled >= target}
+    report = {
+        "benchmark": "serve_bench",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "settings": vars(args) | {"output": str(args.output)},
+        "figures": figures,
+        "targets": targets,
+        "trace_writer": writer_stats,
+        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "loadavg": os.getloadavg()},
+        "source": source_commit(),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    for name in names:
+        f = figures[name]
+        print(f"{name:>4}: {f['requests_per_s']:.3f} req/s, p50 {f['latency_p50_s']:.2f} s, p99 {f['latency_p99_s']:.2f} s")
+    for label, t in targets.items():
+        print(f"{label}: pooled {t['pooled_ratio']:.3f}, median of rounds {t['median_round_ratio']:.3f} "
+              f"(target >= {t['target']}) {'met' if t['met'] else 'MISSED'}")
+    print(f"saved {args.output}")
+
+
+if __name__ == "__main__":
+    main()
