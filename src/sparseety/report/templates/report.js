@@ -71,10 +71,11 @@ function ranges(nums) {
 }
 
 /* ---------- generic charts (inline SVG) ---------- */
-function niceTicks(lo, hi, n) {
+function niceTicks(lo, hi, n, integer) {
   if (!(hi > lo)) { hi = lo + 1; }
   const span = hi - lo, step0 = Math.pow(10, Math.floor(Math.log10(span / n))), err = span / n / step0;
-  const step = step0 * (err >= 7.5 ? 10 : err >= 3.5 ? 5 : err >= 1.5 ? 2 : 1);
+  let step = step0 * (err >= 7.5 ? 10 : err >= 3.5 ? 5 : err >= 1.5 ? 2 : 1);
+  if (integer) step = Math.max(1, Math.round(step));
   const ticks = [];
   for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(+t.toFixed(10));
   return ticks;
@@ -105,7 +106,8 @@ function lineChart(o) {
   if (o.hline) y1 = Math.max(y1, o.hline.y * 1.08);
   const sx = (v) => f.m.l + (x1 > x0 ? (v - x0) / (x1 - x0) : 0.5) * f.pw;
   const sy = (v) => f.m.t + f.ph - (v - y0) / (y1 - y0 || 1) * f.ph;
-  axes(f, niceTicks(x0, x1, 8).filter((t) => t >= x0 && t <= x1), niceTicks(y0, y1, 5), sx, sy, o.xLabel, o.yLabel, o.xfmt);
+  const intX = xs.every(Number.isInteger);
+  axes(f, niceTicks(x0, x1, 8, intX).filter((t) => t >= x0 && t <= x1), niceTicks(y0, y1, 5), sx, sy, o.xLabel, o.yLabel, o.xfmt);
   o.series.forEach((s, i) => {
     const color = s.color || PALETTE[i % PALETTE.length];
     let d = "";
@@ -134,13 +136,15 @@ function barChart(o) {
   const bw = f.pw / Math.max(n, 1);
   const sy = (v) => f.m.t + f.ph - v / y1 * f.ph;
   const every = Math.ceil(n / 30);
-  axes(f, [], niceTicks(0, y1, 5).filter((t) => t <= y1 * 1.0001), null, sy, o.xLabel, o.yLabel);
+  const intY = o.stacks.every((s) => s.values.every((v) => Number.isInteger(v)));
+  axes(f, [], niceTicks(0, y1, 5, intY).filter((t) => t <= y1 * 1.0001), null, sy, o.xLabel, o.yLabel);
+  const barW = Math.min(bw * 0.76, 48);
   o.labels.forEach((lab, i) => {
     let base = 0;
     const g = svg("g", {"data-index": i, style: o.onClick ? "cursor:pointer" : ""});
     o.stacks.forEach((s, k) => {
       const v = s.values[i] || 0;
-      const r = svg("rect", {x: f.m.l + i * bw + bw * 0.12, width: Math.max(bw * 0.76, 1), y: sy(base + v), height: Math.max(sy(base) - sy(base + v), 0),
+      const r = svg("rect", {x: f.m.l + (i + 0.5) * bw - barW / 2, width: Math.max(barW, 1), y: sy(base + v), height: Math.max(sy(base) - sy(base + v), 0),
         fill: s.color || PALETTE[k], opacity: o.highlight === null || o.highlight === undefined || o.highlight === i ? 1 : 0.45});
       base += v; g.append(r);
     });
@@ -320,9 +324,9 @@ function traceReport() {
     g.strokeStyle = "#9aa5b1"; g.strokeRect(m.l, m.t, pw, ph);
     g.fillStyle = "#616e7c"; g.font = "11px -apple-system, Segoe UI, Roboto, Arial, sans-serif";
     g.textAlign = "center";
-    for (const t of niceTicks(0, N, 8)) if (t <= N) g.fillText(fmt(t), m.l + t / N * pw, m.t + ph + 14);
+    for (const t of niceTicks(0, N, 8, true)) if (t <= N) g.fillText(fmt(t), m.l + t / N * pw, m.t + ph + 14);
     g.textAlign = "right";
-    for (const t of niceTicks(0, steps - 1, 5)) if (t <= steps - 1) g.fillText(fmt(t), m.l - 6, m.t + (t + 0.5) / steps * ph + 4);
+    for (const t of niceTicks(0, steps - 1, 5, true)) if (t <= steps - 1) g.fillText(fmt(t), m.l - 6, m.t + (t + 0.5) / steps * ph + 4);
     g.fillStyle = "#1f2933"; g.font = "12px -apple-system, Segoe UI, Roboto, Arial, sans-serif"; g.textAlign = "center";
     g.fillText("position", m.l + pw / 2, H - 6);
     g.save(); g.translate(14, m.t + ph / 2); g.rotate(-Math.PI / 2); g.fillText("decode step (0 = prefill)", 0, 0); g.restore();
