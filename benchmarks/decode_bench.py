@@ -37,6 +37,12 @@ Usage::
     .venv/bin/python benchmarks/decode_bench.py            # full run, ~15 min (1 thread, CPU clock)
     .venv/bin/python benchmarks/decode_bench.py --quick    # smoke run, < 2 min
     .venv/bin/python benchmarks/decode_bench.py --profile h2o   # cProfile + torch.profiler of one run's decode
+    .venv/bin/python benchmarks/decode_bench.py --layers-cost   # extraction at --layers all vs auto, ~2 min
+
+``--layers-cost`` (issue 8, layer selection) measures only what online extraction costs: ``streaming``
+at ``--budget`` on ``--context`` tokens (defaults 2048 and 512 in this mode), tier 0 against tier 2 with
+``--layers all`` (every layer computes and records its attention row each step) and ``--layers auto``
+(every layer in prefill, then only the chosen one), interleaved ABBA; saved to ``decode_bench_layers.json``.
 """
 
 from __future__ import annotations
@@ -197,13 +203,14 @@ class Bench:
         return self.ids[:, :n]
 
     def engine_run(self, label: str, context: int, policy: str, budget: int | None, tier: int = 0,
-                   new_tokens: int | None = None, record: bool = True) -> Run:
+                   new_tokens: int | None = None, record: bool = True, layers: str = "all") -> Run:
         new_tokens = new_tokens or self.args.new_tokens
         pol = build_policy(policy, budget if policy != "dense" else None)
         self.clock.reset()
         before = os.getloadavg()[0]
         t0 = time.perf_counter()
-        result = self.engine.generate(EncodedInput(self.prompt(context)), pol, max_new_tokens=new_tokens, tier=tier)
+        result = self.engine.generate(EncodedInput(self.prompt(context)), pol, max_new_tokens=new_tokens, tier=tier,
+                                      layers=layers)
         wall = time.perf_counter() - t0
         c = self.clock
         run = Run(label, "engine", context, policy, pol.budget, tier, {n: c.prefill_s(n) for n in CLOCKS},
@@ -400,6 +407,40 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_layers_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Tier 2 extraction at ``--layers all`` and ``auto`` against tier 0, decode tokens/s and prefill, ABBA."""
+    t_start = time.perf_counter()
+    b = Bench(args)
+    C, B = args.context, args.budget
+    print(f"layers cost: {TRACE_POLICY} b={B} @ {C} tokens, {args.new_tokens} new tokens, clock {args.clock}", flush=True)
+    b.engine_run("warmup", min(C, B + 128), TRACE_POLICY, B, tier=2, new_tokens=4, record=False, layers="auto")
+    arms = [("tier0", 0, "all"), ("tier2-all", 2, "all"), ("tier2-auto", 2, "auto")]
+    for r in range(args.repeats):
+        print(f"round {r + 1}/{args.repeats}", flush=True)
+        for label, tier, layers in (arms if r % 2 == 0 else list(reversed(arms))):
+            b.engine_run(label, C, TRACE_POLICY, B, tier=tier, layers=layers)
+    t0 = b.decode_tps("tier0")
+    figures = {
+        "decode_tokens_per_s": {label: round(b.decode_tps(label), 3) for label, _, _ in arms},
+        "prefill_s_median": {label: round(b.prefill(label), 3) for label, _, _ in arms},
+        "decode_vs_tier0": {label: round(b.decode_tps(label) / t0, 4) for label, _, _ in arms[1:]},
+        "auto_vs_all_decode": round(b.decode_tps("tier2-auto") / b.decode_tps("tier2-all"), 4),
+        "tokens_equal": len({tuple(r.output_ids) for r in b.runs}) == 1,
+    }
+    targets = {"tier2_auto_vs_tier0": target(figures["decode_vs_tier0"]["tier2-auto"], ">=", TARGET_TIER1,
+                                             f"{TRACE_POLICY} b={B} @ {C} tok, decode tok/s, tier 2 --layers auto / tier 0")}
+    return {
+        "benchmark": "decode_bench --layers-cost", "source": source_state(),
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "setup": {"model": args.model, "text": str(TEXT), "context": C, "budget": B, "policy": TRACE_POLICY,
+                  "new_tokens": args.new_tokens, "repeats": args.repeats, "order": "ABBA rounds", "clock": args.clock,
+                  "threads": torch.get_num_threads()},
+        "targets": targets, "figures": figures, "total_s": round(time.perf_counter() - t_start, 1),
+        "runs": [r.to_json() for r in b.runs],
+    }
+
+
 def source_state() -> dict[str, Any]:
     """The commit measured, and whether the engine sources differ from it (other work in progress)."""
     root = Path(__file__).resolve().parent.parent
@@ -481,7 +522,14 @@ def main() -> None:
     parser.add_argument("--profile", metavar="POLICY", help="profile the decode of one run instead of benchmarking")
     parser.add_argument("--profile-tier", type=int, default=0)
     parser.add_argument("--profile-rows", type=int, default=30)
+    parser.add_argument("--layers-cost", action="store_true",
+                        help="only measure extraction at --layers all vs auto (defaults: 2048-token context, budget 512, 32 tokens)")
     args = parser.parse_args()
+    if args.layers_cost:
+        args.context, args.budget = args.context or 2048, args.budget or 512
+        args.new_tokens = args.new_tokens or 32
+        if args.output == RESULTS:
+            args.output = RESULTS.with_name("decode_bench_layers.json")
     quick = args.quick
     args.context = args.context or (2048 if quick else 7000)
     args.budget = args.budget or (256 if quick else 1024)
@@ -496,6 +544,13 @@ def main() -> None:
     args.clock = args.clock or ("cpu" if torch.get_num_threads() == 1 else "wall")
     if args.profile:
         profile(args)
+        return
+    if args.layers_cost:
+        res = run_layers_cost(args)
+        print(json.dumps({k: res[k] for k in ("targets", "figures")}, indent=1))
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"saved {args.output}")
         return
     res = run_benchmark(args)
     print_summary(res)
