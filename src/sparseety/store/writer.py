@@ -9,11 +9,11 @@ place last, so a request that readers can see has all its rows committed.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,12 +70,8 @@ class _Item:
     created: float
 
 
-@dataclass
-class _Flush:
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-_STOP = object()
+POLL_S = 0.005
+"""How often an idle writer thread looks at its queue."""
 
 
 class TraceWriter:
@@ -115,13 +111,20 @@ class TraceWriter:
         self.batch_rows = batch_rows
         self.flush_interval_s = flush_interval_s
         self.on_commit = on_commit
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
-        self._lock = threading.Lock()
-        self._accepted = self._dropped = 0
+        self.queue_size = queue_size
+        # A deque, not queue.Queue: append/popleft/len are atomic under the GIL and take no mutex the
+        # writer thread could hold, so ``submit`` never blocks (a contended mutex would make the
+        # producer wait for the GIL afterwards, up to the 5 ms switch interval).
+        self._queue: deque[_Item] = deque()
+        self._lock = threading.Lock()  # counters the writer thread updates, and drops
+        self._dropped = 0
+        self._taken = 0  # items the writer thread took off the queue (one consumer: no race)
         self._committed_requests = self._committed_files = self._failed = 0
         self._last_error: str | None = None
         self._paths: dict[str, Path] = {}
         self._closed = False
+        self._stop = threading.Event()
+        self._flushes: deque[threading.Event] = deque()
         self._paused = threading.Event()
         self._idle = threading.Event()
         self._pending: list[RequestRows] = []
@@ -136,27 +139,26 @@ class TraceWriter:
 
         The request keeps its run's tier when ``should_sample(request_id, sample_rate)`` holds or it
         ran at tier 3 (forced); otherwise only its tier-1 part (counts, timings) is stored. Do not
-        change ``result`` after submitting it.
+        change ``result`` after submitting it. With several producer threads the queue may exceed
+        ``queue_size`` by at most one record per producer.
         """
         if self._closed:
             raise SparseetyError("trace writer is closed")
-        try:
-            self._queue.put_nowait(_Item(result, sample_rate, extra, time.time()))
-        except queue.Full:
-            with self._lock:
+        if len(self._queue) >= self.queue_size:
+            with self._lock:  # producers only (and stats()): never held by the writer's hot path
                 self._dropped += 1
             return False
-        with self._lock:
-            self._accepted += 1
+        self._queue.append(_Item(result, sample_rate, extra, time.time()))
         return True
 
     def stats(self) -> WriterStats:
         """A snapshot of the counters."""
         with self._lock:
+            depth = len(self._queue)
             return WriterStats(
-                accepted=self._accepted, dropped_records=self._dropped,
+                accepted=self._taken + depth, dropped_records=self._dropped,
                 committed_requests=self._committed_requests, committed_files=self._committed_files,
-                failed_records=self._failed, queue_depth=self._queue.qsize(), last_error=self._last_error,
+                failed_records=self._failed, queue_depth=depth, last_error=self._last_error,
             )
 
     def path_of(self, request_id: str) -> Path | None:
@@ -167,10 +169,10 @@ class TraceWriter:
     def flush(self, timeout: float | None = None) -> bool:
         """Commit everything accepted so far; True when done within ``timeout`` seconds."""
         if not self._thread.is_alive():
-            return self._queue.empty()
-        marker = _Flush()
-        self._queue.put(marker)
-        return marker.done.wait(timeout)
+            return not self._queue
+        done = threading.Event()
+        self._flushes.append(done)
+        return done.wait(timeout)
 
     def pause(self) -> None:
         """Stop taking records off the queue (records keep being accepted until it is full)."""
@@ -187,7 +189,7 @@ class TraceWriter:
         if not self._closed:
             self._closed = True
             self._paused.clear()
-            self._queue.put(_STOP)
+            self._stop.set()
             self._thread.join()
         return self.stats()
 
@@ -200,30 +202,46 @@ class TraceWriter:
     # -- writer thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if self._paused.is_set():
+            if self._paused.is_set() and not self._stop.is_set():
                 self._idle.set()
-                time.sleep(0.005)
+                time.sleep(POLL_S)
                 continue
-            timeout = self._time_left()
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
+            stopping = self._stop.is_set()  # read before draining: nothing accepted before close is missed
+            flushes = [self._flushes.popleft() for _ in range(len(self._flushes))]
+            if stopping or flushes:
+                self._drain()
                 self._commit()
+                for done in flushes:
+                    done.set()
+                if stopping:
+                    return
                 continue
-            if item is _STOP:
-                self._commit()
-                return
-            if isinstance(item, _Flush):
-                self._commit()
-                item.done.set()
+            if not self._queue:
+                if self._pending and self._time_left() == 0.0:
+                    self._commit()
+                time.sleep(POLL_S)
                 continue
-            self._add(item)
+            self._take()
             if self._pending_rows >= self.batch_rows or self._time_left() == 0.0:
+                self._commit()
+            time.sleep(0)  # hand the GIL to a waiting producer now rather than after the switch interval
+
+    def _take(self) -> None:
+        item = self._queue.popleft()
+        with self._lock:
+            self._taken += 1
+        self._add(item)
+
+    def _drain(self) -> None:
+        """Convert everything queued now, committing full batches on the way."""
+        for _ in range(len(self._queue)):
+            self._take()
+            if self._pending_rows >= self.batch_rows:
                 self._commit()
 
     def _time_left(self) -> float:
         if not self._pending:
-            return 0.05
+            return self.flush_interval_s
         return max(0.0, self._pending_since + self.flush_interval_s - time.monotonic())
 
     def _add(self, item: _Item) -> None:
