@@ -10,7 +10,7 @@ import pytest
 
 from conftest import MODEL, live_server, scrape
 from sparseety.engine import encode_prompt
-from sparseety.policies import build_policy
+from sparseety.policies import build_policy, resolve_budget
 from sparseety.store import load_trace
 
 KEY = "test-key"
@@ -72,6 +72,16 @@ def test_completion_with_a_policy_override_in_the_body(client, engine):
     assert reply.choices[0].text == expected.text
     assert reply.usage.model_dump()["sparsity"] == sparsity_of(expected)
     assert reply.usage.model_dump()["sparsity"]["policy"] == "h2o"
+
+
+def test_ratio_in_the_body_resolves_against_the_prompt_length(client, engine):
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                      extra_body={"sparsity": {"policy": "streaming", "ratio": 0.5}})
+    prompt_len = reply.usage.prompt_tokens
+    expected = direct(engine, PROMPT, False, build_policy("streaming", resolve_budget(None, 0.5, prompt_len)), 3)
+    assert reply.choices[0].text == expected.text
+    assert reply.usage.model_dump()["sparsity"] == sparsity_of(expected)
+    assert expected.evicted_positions > 0
 
 
 def test_streamed_chat_joins_to_the_plain_answer_and_ends_with_usage(client):
