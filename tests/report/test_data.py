@@ -59,12 +59,16 @@ def test_drafts_from_per_forward_rows_and_from_per_token_rows():
     assert drafts_per_step({}) is None
 
 
-def test_pruning_counts_whole_head_rows_and_per_head_rows():
+def test_pruning_rows_leave_from_the_next_layer_on():
     arrays = {"pruned.layer": np.array([0, 0, 1, 1, 1]), "pruned.kv_head": np.array([-1, -1, 0, 1, 1]),
               "pruned.position": np.array([3, 4, 5, 5, 6]), "pruned.step": np.zeros(5, dtype=np.int64)}
-    view = pruning_per_layer(arrays, num_layers=3, positions=10)
-    assert view["pruned"] == [2.0, 1.5, 0.0] and view["remaining"] == [8.0, 8.5, 10.0]
+    view = pruning_per_layer(arrays, num_layers=3, prompt_len=10)
+    # layer 0 computes all 10; layer 1 lost 3 and 4; layer 2 also lost 5 (both heads) and 6 (head 1): mean 3.5
+    assert view["remaining"] == [10.0, 8.0, 6.5] and view["pruned"] == [0.0, 2.0, 3.5] and view["total"] == 10
+    counted = pruning_per_layer({**arrays, "layer_tokens": np.array([10, 8, 6])}, num_layers=3, prompt_len=10)
+    assert counted["remaining"] == [10.0, 8.0, 6.0]
     assert pruning_per_layer({}, 3, 10) is None
+    assert pruning_per_layer({"layer_tokens": np.array([10, 10, 10])}, 3, 10) is None
 
 
 def test_real_moe_run_with_drafts(moe_trace):
@@ -124,3 +128,29 @@ def test_tune_view_sorts_the_curve_and_rejects_a_bad_one():
     assert [p["budget"] for p in view["curve"]] == [16, 64] and view["threshold"] == 0.9
     with pytest.raises(RecordError, match="'curve' must be a list"):
         bench_view({"kind": "tune", "curve": [{"value": 1}]})
+
+
+def test_pruning_of_a_real_tiny_run_matches_the_engines_layer_counts():
+    """Rebuilt from the pruned rows alone, the per-layer counts equal what the engine counted."""
+    import torch
+    from tiny_models import build_model, build_tokenizer, prompt_ids
+
+    from sparseety.engine import SparseEngine
+    from sparseety.engine.inputs import EncodedInput
+    from sparseety.policies import build_policy
+    from sparseety.policies.prune import PruneSchedule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = SparseEngine(build_model("llama"), build_tokenizer(), "tiny-llama")
+        result = engine.generate(EncodedInput(prompt_ids(40)), build_policy("dense", None, {}), max_new_tokens=3,
+                                 tier=2, prune=PruneSchedule(points=((0, 0.25), (2, 0.5))))
+    finally:
+        torch.set_num_threads(threads)
+    arrays = result.arrays
+    assert len(arrays["pruned.layer"]) and "layer_tokens" in arrays
+    rebuilt = pruning_per_layer({k: v for k, v in arrays.items() if k != "layer_tokens"}, 4, 40)
+    counted = pruning_per_layer(arrays, 4, 40)
+    assert rebuilt == counted
+    assert counted["remaining"][0] == 40 and counted["remaining"][-1] < counted["remaining"][1] < 40

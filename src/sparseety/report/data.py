@@ -104,7 +104,7 @@ def trace_view(trace: StoredTrace, *, layer: int | None = None) -> dict[str, Any
     view["compare"] = document.get("compare")
     view["moe"] = moe_load(arrays)
     view["drafts"] = drafts_per_step(arrays)
-    view["pruning"] = pruning_per_layer(arrays, num_layers, positions)
+    view["pruning"] = pruning_per_layer(arrays, num_layers, len(prompt_ids))
     if positions > MAX_AXIS:
         view["notes"].append(f"{positions:,} positions: the timeline aggregates them into bins of "
                              f"{-(-positions // MAX_AXIS)} positions (colour = share of the bin in each state).")
@@ -209,21 +209,33 @@ def drafts_per_step(arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
             "rejected": bad.tolist()}
 
 
-def pruning_per_layer(arrays: dict[str, np.ndarray], num_layers: int, positions: int) -> dict[str, Any] | None:
-    """Tokens each layer still processed after token pruning (``pruned.*``; kv_head -1 = all heads)."""
-    if not len(arrays.get("pruned.layer", ())):
+def pruning_per_layer(arrays: dict[str, np.ndarray], num_layers: int, prompt_len: int) -> dict[str, Any] | None:
+    """Prompt tokens each layer computed under token pruning.
+
+    ``layer_tokens`` ``[layers]`` (what the engine counted) when present; otherwise rebuilt from
+    ``pruned.{layer,kv_head,position}``: rows pruned by layer ``L``'s ranking are gone from layer ``L + 1``
+    on (kv_head -1 = every head; per-head rows count as the mean over heads). None without pruning.
+    """
+    if "layer_tokens" in arrays and len(arrays["layer_tokens"]):
+        tokens = np.asarray(arrays["layer_tokens"], dtype=np.float64)[:num_layers]
+        total = float(max(tokens.max(initial=0), prompt_len))
+    elif len(arrays.get("pruned.layer", ())):
+        layer = np.asarray(arrays["pruned.layer"], dtype=np.int64)
+        head = np.asarray(arrays["pruned.kv_head"], dtype=np.int64)
+        pos = np.asarray(arrays["pruned.position"], dtype=np.int64)
+        total = float(prompt_len)
+        tokens = np.empty(num_layers)
+        for index in range(num_layers):
+            before = layer < index
+            whole = np.unique(pos[before & (head < 0)])
+            per_head = [np.union1d(whole, pos[before & (head == h)]).size for h in np.unique(head[before & (head >= 0)])]
+            tokens[index] = total - (np.mean(per_head) if per_head else whole.size)
+    else:
         return None
-    layer = np.asarray(arrays["pruned.layer"], dtype=np.int64)
-    head = np.asarray(arrays["pruned.kv_head"], dtype=np.int64)
-    pos = np.asarray(arrays["pruned.position"], dtype=np.int64)
-    pruned = np.zeros(num_layers)
-    for index in range(num_layers):
-        here = layer == index
-        whole = np.unique(pos[here & (head < 0)])
-        per_head = [np.union1d(whole, pos[here & (head == h)]).size for h in np.unique(head[here & (head >= 0)])]
-        pruned[index] = np.mean(per_head) if per_head else whole.size
-    return {"layers": list(range(num_layers)), "total": positions, "pruned": pruned.round(2).tolist(),
-            "remaining": (positions - pruned).round(2).tolist()}
+    if not len(arrays.get("pruned.layer", ())) and (tokens == total).all():
+        return None
+    return {"layers": list(range(len(tokens))), "total": total, "remaining": tokens.round(2).tolist(),
+            "pruned": (total - tokens).round(2).tolist()}
 
 
 def _importance(importance: np.ndarray | None, num_layers: int, positions: int) -> np.ndarray | None:

@@ -458,7 +458,7 @@ function drawDrafts(d) {
 }
 function drawPruning(p) {
   q(".pruning-body").append(barChart({labels: p.layers, stacks: [{name: "tokens processed", values: p.remaining, color: "#2b8cbe"}, {name: "pruned", values: p.pruned, color: "#fdae61"}],
-    xLabel: "layer", yLabel: "tokens", width: 1000, height: 240, hline: {y: p.total, label: `${p.total} tokens in the sequence`}}));
+    xLabel: "layer", yLabel: "tokens", width: 1000, height: 240, hline: {y: p.total, label: `${p.total} prompt tokens`}}));
 }
 
 /* ---------- passkey / tune reports ---------- */
