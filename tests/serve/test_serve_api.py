@@ -8,7 +8,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from conftest import MODEL, live_server, scrape
+from serve_helpers import MODEL, live_server, scrape
 from sparseety.engine import encode_prompt
 from sparseety.policies import build_policy, resolve_budget
 from sparseety.store import load_trace

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import MODEL, live_server, scrape
+from serve_helpers import MODEL, live_server, scrape
 from sparseety.store import connect, list_traces, load_trace, should_sample
 
 CLIENTS, REQUESTS, RATE = 8, 4, 0.3

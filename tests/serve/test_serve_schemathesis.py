@@ -7,7 +7,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from conftest import MODEL, live_server
+from serve_helpers import MODEL, live_server
 
 KEY = "fuzz-key"
 
