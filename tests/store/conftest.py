@@ -11,9 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from tiny_models import build_model, build_tokenizer  # noqa: E402
+from tiny_models import build_model, build_tokenizer
 
-from sparseety.engine import SparseEngine  # noqa: E402
+from sparseety.engine import SparseEngine
 
 
 @pytest.fixture

@@ -17,9 +17,8 @@ import pyarrow.parquet as pq
 from sparseety.errors import RecordError
 from sparseety.schema import TokenRecord
 from sparseety.store.dataset import check_version, open_dataset, table_files, table_glob
-from sparseety.store.tables import VERSION_KEY
 from sparseety.store.rows import DRAFT_COLUMNS, DRAFT_EVENTS, DRAFT_GROUP, EVENT_COLUMNS
-from sparseety.store.tables import TABLES
+from sparseety.store.tables import TABLES, VERSION_KEY
 
 VIEWS = tuple(TABLES)
 

@@ -84,7 +84,7 @@ def synthetic_result(
         params={"recent": 4},
         budget=prompt_len // 2,
         tier=tier,
-        evicted_positions=int(len(np.unique(position))) if n else 0,
+        evicted_positions=len(np.unique(position)) if n else 0,
         eviction_events=n,
         skipped_events=0,
         kept_positions_final={str(layer): {str(h): [0, 1] for h in range(kv_heads)} for layer in range(layers)}

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from sparseety.errors import ConfigError, SparseetyError
 from sparseety.store.dataset import create_dataset, write_part
@@ -72,6 +72,8 @@ class _Item:
 
 POLL_S = 0.005
 """How often an idle writer thread looks at its queue."""
+PATHS_KEPT = 4096
+"""How many recent requests :meth:`TraceWriter.path_of` remembers (bounded for long-running servers)."""
 
 
 class TraceWriter:
@@ -121,7 +123,7 @@ class TraceWriter:
         self._taken = 0  # items the writer thread took off the queue (one consumer: no race)
         self._committed_requests = self._committed_files = self._failed = 0
         self._last_error: str | None = None
-        self._paths: dict[str, Path] = {}
+        self._paths: OrderedDict[str, Path] = OrderedDict()  # the newest PATHS_KEPT requests
         self._closed = False
         self._stop = threading.Event()
         self._flushes: deque[threading.Event] = deque()
@@ -162,7 +164,8 @@ class TraceWriter:
             )
 
     def path_of(self, request_id: str) -> Path | None:
-        """The committed ``requests`` file holding ``request_id`` (written by this writer), or None."""
+        """The committed ``requests`` file holding ``request_id``, for the newest :data:`PATHS_KEPT`
+        requests this writer committed; else None."""
         with self._lock:
             return self._paths.get(request_id)
 
@@ -193,10 +196,10 @@ class TraceWriter:
             self._thread.join()
         return self.stats()
 
-    def __enter__(self) -> TraceWriter:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
     # -- writer thread ---------------------------------------------------------------------------
@@ -252,7 +255,7 @@ class TraceWriter:
                 sampled=should_sample(item.result.request_id, rate), extra=item.extra,
                 created_at=datetime.fromtimestamp(item.created, UTC),
             )
-        except Exception as exc:  # a bad record is counted, never kills the thread
+        except Exception as exc:  # noqa: BLE001 -- a bad record is counted, never kills the thread
             self._fail(1, exc)
             return
         if not self._pending:
@@ -266,7 +269,7 @@ class TraceWriter:
             return
         try:
             commit = commit_rows(self.root, batch, compression=self.compression)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- a failed commit is counted, the thread goes on
             self._fail(len(batch), exc)
             return
         requests = [p for p in commit.files if p.parent.parent.name == "requests"]
@@ -276,10 +279,12 @@ class TraceWriter:
             for rows in batch:
                 day = f"date={rows.created_at.date().isoformat()}"
                 self._paths[rows.request_id] = next(p for p in requests if p.parent.name == day)
+            while len(self._paths) > PATHS_KEPT:
+                self._paths.popitem(last=False)
         if self.on_commit is not None:
             try:
                 self.on_commit(commit)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- a failing callback must not stop the writer
                 self._record_error(exc)
 
     def _fail(self, count: int, exc: BaseException) -> None:
