@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -104,11 +105,18 @@ def test_gc_deletes_old_partitions_only(tmp_path: Path):
     write_trace(old[0], tmp_path, created_at=now - timedelta(days=10))
     write_trace(old[1], tmp_path, created_at=now - timedelta(days=9))
     write_trace(new, tmp_path, created_at=now)
+    today = next((tmp_path / "signals").glob(f"date={now.date().isoformat()}"))
+    stale, fresh = today / ".part-dead.parquet.tmp", today / ".part-live.parquet.tmp"
+    for temp in (stale, fresh):
+        temp.write_bytes(b"torn")
+    os.utime(stale, (now.timestamp() - 7200, now.timestamp() - 7200))  # left by a writer killed 2 h ago
     dry = cli("gc", "--older-than", "7d", "--trace-dir", tmp_path, "--dry-run")
     assert dry.exit_code == 0 and "would delete 8 partition(s)" in dry.stdout
+    assert f"would delete stale temporary file {stale}" in dry.stdout and stale.exists()
     assert connect(tmp_path).sql("SELECT count(*) FROM requests").fetchall() == [(3,)]
     done = cli("gc", "--older-than", "1w", "--trace-dir", tmp_path)
     assert done.exit_code == 0 and "deleted 8 partition(s)" in done.stdout
+    assert not stale.exists() and fresh.exists()  # a temporary file being written now is left alone
     con = connect(tmp_path)
     assert con.sql("SELECT request_id FROM requests").fetchall() == [(new.request_id,)]
     assert con.sql("SELECT DISTINCT request_id FROM token_events").fetchall() == [(new.request_id,)]
