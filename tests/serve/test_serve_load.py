@@ -145,7 +145,8 @@ def test_sigkill_mid_load_keeps_every_committed_trace(tmp_path):
     (["--budget", "4", "--ratio", "0.5"], "either budget or ratio"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "h2o"], "needs --budget"),
-    (["--sample-rate", "2"], "sample_rate"),
+    (["--sample-rate", "2", "--trace-dir", "unused"], "sample_rate"),
+    (["--sample-rate", "0.5"], "give --trace-dir too"),
     (["--policy-opt", "sinks"], "key=value"),
     (["--otlp-endpoint", "http://127.0.0.1:4318/v1/traces"], "pip install opentelemetry-sdk"),
 ])

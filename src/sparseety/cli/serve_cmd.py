@@ -22,7 +22,8 @@ def serve(
     ratio: float | None = typer.Option(None, "--ratio", help="Fraction of each prompt removed."),
     policy_opt: list[str] = typer.Option([], "--policy-opt", help="Policy option key=value (repeatable)."),
     trace_dir: Path | None = typer.Option(None, "--trace-dir", help="Trace store; without it nothing is traced."),
-    sample_rate: float = typer.Option(0.05, "--sample-rate", help="Share of requests traced (hash of the id)."),
+    sample_rate: float | None = typer.Option(None, "--sample-rate", help="Share of requests traced (hash of the "
+                                             "id); default 0.05. Needs --trace-dir."),
     tier: int = typer.Option(2, "--tier", help="Tier of sampled requests (forced ones get 3, the rest 1)."),
     top_k: int = typer.Option(16, "--top-k", help="Important tokens per layer in traces."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="SPARSEETY_API_KEY",
@@ -39,12 +40,17 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve a model behind the OpenAI API with a sparse KV policy, Prometheus /metrics and sampled tracing."""
+    from sparseety.errors import ConfigError
     from sparseety.policies import parse_policy_opts
     from sparseety.serve import ServeConfig
 
+    if trace_dir is None and (sample_rate is not None or redact or ids_only):
+        raise ConfigError("--sample-rate, --redact and --ids-only apply to stored traces: give --trace-dir too")
+
     config = ServeConfig(
         model=model, host=host, port=port, policy=policy, budget=budget, ratio=ratio,
-        policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir, sample_rate=sample_rate, tier=tier,
+        policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir,
+        sample_rate=0.05 if sample_rate is None else sample_rate, tier=tier,
         top_k=top_k, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, redact=redact, ids_only=ids_only,
         otlp_endpoint=otlp_endpoint,
