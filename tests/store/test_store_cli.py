@@ -187,3 +187,26 @@ def test_run_force_trace_redact_and_sampling(tmp_path: Path):
     stored = load_trace(tmp_path, json.loads(unsampled.stdout)["request_id"])
     assert stored.tier == 1 and stored.arrays == {} and stored.document["text"] is None
     assert_bad_input(cli("run", "--prompt", "x", "--sample-rate", "1.5", "--trace-dir", tmp_path), "sample rate")
+
+
+def test_replay_route_signals_from_a_config(tiny_engine, one_torch_thread, tmp_path: Path):
+    """MoE router probabilities replay as route records; score_type and experts_k come from --config."""
+    result = tiny_engine("qwen2_moe").generate(EncodedInput(prompt_ids(10)), build_policy("dense"), max_new_tokens=3,
+                                               tier=3)
+    write_trace(result, tmp_path / "traces")
+    config = tmp_path / "route.yaml"
+    config.write_text("score_type: route\nexperts_k: 1\ntop_k: 4\n")
+    ids = result.prompt_ids + result.output_ids
+    lines = []
+    for name, probs in sorted(result.arrays.items()):
+        if name.startswith("router."):
+            layer = int(name.split(".")[1])
+            np.save(tmp_path / f"r{layer}.npy", probs.astype(np.float32))
+            lines.append(json.dumps({"generation_id": result.request_id, "prompt_tokens": result.prompt_ids,
+                                     "generated_tokens": ids[len(result.prompt_ids):probs.shape[0]], "layer": layer,
+                                     "score_type": "route", "scores_path": f"r{layer}.npy"}))
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n")
+    extracted = cli("extract", tmp_path / "records.jsonl", "--config", config)
+    replayed = cli("replay", "--trace-dir", tmp_path / "traces", "--config", config)
+    assert extracted.exit_code == 0 and replayed.exit_code == 0, (extracted.output, replayed.output)
+    assert replayed.stdout == extracted.stdout and '"experts": [[' in replayed.stdout

@@ -20,7 +20,7 @@ def replay_command(
     request_id: str | None = typer.Option(None, "--request-id", help="Request to replay [default: the newest]."),
     top_k: int | None = typer.Option(None, "--top-k", help="Most records per ranking [default: 16]."),
     min_score: float | None = typer.Option(None, "--min-score", help="Keep scores >= this, in [0, 1) [default: 0.05]."),
-    score_type: str = typer.Option("attention", "--score-type", help="attention|route|activation."),
+    score_type: str | None = typer.Option(None, "--score-type", help="attention|route|activation [default: attention]."),
     layer: int | None = typer.Option(None, "--layer", help="Only this layer [default: every layer]."),
     head_reduce: str | None = typer.Option(None, "--head-reduce", help="mean|max|none [default: mean]."),
     query_reduce: str | None = typer.Option(
@@ -59,10 +59,10 @@ def replay_command(
         if value is not None
     }
     defaults = ExtractionConfig.from_yaml(config).model_dump(exclude_unset=True) if config else {}
-    defaults.pop("layout", None)
+    defaults.pop("layout", None)  # the stored signals' layout is known
     ExtractionConfig(**{**defaults, **flags, "exclude_special": False})  # a bad flag fails before any work
     trace = load_trace(trace_dir, request_id)
-    inputs = replay_inputs(trace, score_type, layer)
+    inputs = replay_inputs(trace, flags.get("score_type") or defaults.get("score_type") or "attention", layer)
 
     text_of: Callable[[int], str] | None = None
     tokenizer = None
