@@ -42,6 +42,7 @@ def test_compare_json_contract(compared):
     assert all({"tag", "baseline_tokens", "sparse_tokens"} <= set(op) for op in doc["diff"]["ops"])
     rebuilt = [t for op in doc["diff"]["ops"] for t in (op["baseline_ids"] if op["tag"] == "equal" else op["sparse_ids"])]
     assert rebuilt == sparse["output_token_ids"]
+    assert Path(doc["report_path"]).is_file()  # written by default (no --no-report)
 
 
 def test_compare_stores_both_runs_with_the_compare_section(compared):
