@@ -13,8 +13,8 @@ Targets (issue 7): 5% sampling at least 0.97 of off; 100% at least 0.85.
 
 Usage::
 
-    .venv/bin/python benchmarks/serve_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
-        [--max-concurrency 2] [--max-tokens 16] [--threads 1] [--output benchmarks/results/serve_bench.json]
+    .venv/bin/python benchmarks/serve_bench.py [--rounds 4] [--requests 12] [--concurrency 4]
+        [--max-concurrency 2] [--max-tokens 8] [--threads 1] [--output benchmarks/results/serve_bench.json]
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def source_commit() -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=16, help="requests per configuration per round")
+    parser.add_argument("--requests", type=int, default=12, help="requests per configuration per round")
     parser.add_argument("--concurrency", type=int, default=4, help="client threads")
     parser.add_argument("--max-concurrency", type=int, default=2, help="server worker threads")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--output", type=Path, default=RESULTS)

@@ -289,3 +289,49 @@ def test_trace_endpoints_are_off_without_a_key_and_redaction_reaches_the_store(e
         assert srv.state.tracer.writer.flush(60)
     stored = json.dumps(load_trace(tmp_path / "t", "secret-1").document)
     assert "bob.smith@example.com" not in stored and "[EMAIL]" in stored
+
+
+def test_spans_reach_an_otlp_endpoint(engine):
+    """Optional dependency: runs where opentelemetry-sdk and its OTLP/HTTP exporter are installed."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            received.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_) -> None:
+            pass
+
+    collector = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    Thread(target=collector.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+        with live_server(engine, otlp_endpoint=endpoint) as srv:  # stopping the server flushes the exporter
+            reply = post(srv, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, key=None,
+                         headers={"X-Request-Id": "span-1"})
+            assert reply.status_code == 200
+    finally:
+        collector.shutdown()
+    spans = [span for path, body in received if path == "/v1/traces"
+             for rs in ExportTraceServiceRequest.FromString(body).resource_spans
+             for ss in rs.scope_spans for span in ss.spans]
+    assert [span.name for span in spans] == [f"text_completion {MODEL}"]
+    attributes = {kv.key: kv.value for kv in spans[0].attributes}
+    usage = reply.json()["usage"]
+    assert attributes["gen_ai.usage.input_tokens"].int_value == usage["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"].int_value == 2
+    assert attributes["gen_ai.response.id"].string_value == "span-1"
+    assert [v.string_value for v in attributes["gen_ai.response.finish_reasons"].array_value.values] == ["length"]
+    assert attributes["sparseety.policy"].string_value == "dense"
+    assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano

@@ -148,7 +148,6 @@ def test_sigkill_mid_load_keeps_every_committed_trace(tmp_path):
     (["--sample-rate", "2", "--trace-dir", "unused"], "sample_rate"),
     (["--sample-rate", "0.5"], "give --trace-dir too"),
     (["--policy-opt", "sinks"], "key=value"),
-    (["--otlp-endpoint", "http://127.0.0.1:4318/v1/traces"], "pip install opentelemetry-sdk"),
 ])
 def test_cli_refuses_bad_settings_before_loading_the_model(args, message):
     from typer.testing import CliRunner
@@ -158,3 +157,14 @@ def test_cli_refuses_bad_settings_before_loading_the_model(args, message):
     result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 2
     assert "error:" in result.output and message in result.output
+
+
+def test_cli_names_the_packages_an_otlp_endpoint_needs():
+    """The OpenTelemetry SDK is optional: without it (hidden from imports here) --otlp-endpoint is a clear error."""
+    hide = ("import sys; sys.modules['opentelemetry.sdk'] = None; "
+            "sys.modules['opentelemetry.exporter.otlp.proto.http.trace_exporter'] = None; "
+            "sys.argv = ['sparseety', 'serve', '--otlp-endpoint', 'http://127.0.0.1:4318/v1/traces']; "
+            "from sparseety.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "error:" in done.stderr and "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http" in done.stderr
