@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
-from tiny_models import build_model, build_tokenizer  # noqa: E402
+from tiny_models import build_model, build_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import prompt_ids
 
 from sparseety.analysis.bias import POSITION_BUCKETS, TOKEN_CLASSES, bias_report, position_bucket, token_class
 from sparseety.engine import EncodedInput
 from sparseety.errors import RecordError
 from sparseety.policies import build_policy
 from sparseety.store import load_trace, write_trace
-from tiny_models import prompt_ids
 
 
 @pytest.mark.parametrize(("text", "special", "expected"), [

@@ -30,7 +30,7 @@ def compared(tmp_path_factory):
 
 
 def test_compare_json_contract(compared):
-    doc, traces = compared
+    doc, _ = compared
     assert {"baseline", "sparse", "diff", "fidelity", "quality"} <= set(doc)
     base, sparse = doc["baseline"], doc["sparse"]
     assert base["sparsity"]["policy"] == "dense" and sparse["sparsity"]["policy"] == "streaming"

@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny_models import prompt_ids
 
 from sparseety.analysis.fidelity import fidelity, teacher_forced_logprobs
 from sparseety.engine import EncodedInput
 from sparseety.errors import InputError
 from sparseety.policies import build_policy
-from tiny_models import prompt_ids
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -32,7 +32,7 @@ def test_metrics_match_numpy():
     assert fid.kl_per_step[2] == 0.0
     assert fid.mean_kl == pytest.approx(kl.mean()) and fid.max_kl == pytest.approx(kl.max())
     assert fid.top1_agreement == pytest.approx(np.mean(la.argmax(-1) == lb.argmax(-1)))
-    nll = lambda lp: -np.mean([lp[i, t] for i, t in enumerate(targets)])  # noqa: E731
+    nll = lambda lp: -np.mean([lp[i, t] for i, t in enumerate(targets)])
     assert fid.ppl_dense == pytest.approx(math.exp(nll(la)))
     assert fid.ppl_sparse == pytest.approx(math.exp(nll(lb)))
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_models import prompt_ids
 
 from sparseety.analysis.fidelity import fidelity, teacher_forced_logprobs
 from sparseety.analysis.tune import bisect_budget, check_metric, meets, tune_fidelity
 from sparseety.engine import EncodedInput
 from sparseety.errors import ConfigError
 from sparseety.policies import build_policy
-from tiny_models import prompt_ids
 
 
 @given(lo=st.integers(1, 50), span=st.integers(0, 200), step=st.integers(1, 9), cut=st.integers(0, 300))

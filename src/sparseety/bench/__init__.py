@@ -4,6 +4,14 @@ from sparseety.bench.passkey import QUESTION, PasskeyCase, is_correct, make_case
 from sparseety.bench.passkey_run import PasskeyReport, PasskeyResult, answer_case, run_passkey
 
 __all__ = [
-    "QUESTION", "PasskeyCase", "is_correct", "make_case", "make_cases", "tokenizer_counter",
-    "PasskeyReport", "PasskeyResult", "answer_case", "run_passkey",
+    "QUESTION",
+    "PasskeyCase",
+    "PasskeyReport",
+    "PasskeyResult",
+    "answer_case",
+    "is_correct",
+    "make_case",
+    "make_cases",
+    "run_passkey",
+    "tokenizer_counter",
 ]

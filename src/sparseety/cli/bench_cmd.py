@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -12,6 +13,9 @@ from rich.table import Table
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.lists import parse_list
 from sparseety.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from sparseety.bench import PasskeyResult
 
 bench_app = typer.Typer(help="Benchmarks of sparse policies.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -53,7 +57,7 @@ def passkey_cmd(
     total = len(cases) * (1 + len(names) * len(ratio_list))
     done = 0
 
-    def progress(row) -> None:  # noqa: ANN001
+    def progress(row: PasskeyResult) -> None:
         nonlocal done
         done += 1
         mark = "ok" if row.correct else "miss"
@@ -70,7 +74,7 @@ def passkey_cmd(
     Console().print(f"wrote {out / 'passkey.json'} and {out / 'passkey.png'}")
 
 
-def print_tables(document: dict, console: Console) -> None:
+def print_tables(document: dict[str, Any], console: Console) -> None:
     """Accuracy by policy x ratio, and by policy x depth."""
     for title, key, label in (("accuracy by ratio", "accuracy", "ratio"), ("accuracy by depth", "by_depth", "depth")):
         columns = sorted({k for table in document[key].values() for k in table}, key=float)

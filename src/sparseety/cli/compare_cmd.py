@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -13,6 +14,9 @@ from rich.table import Table
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.run_inputs import RunInputs
+
+if TYPE_CHECKING:
+    from sparseety.analysis.compare import Comparison
 
 
 @app.command("compare")
@@ -71,7 +75,7 @@ def compare_cmd(
         Console().print(f"report: {report_path}")
 
 
-def print_comparison(result, console: Console) -> None:  # noqa: ANN001 (Comparison, imported lazily)
+def print_comparison(result: Comparison, console: Console) -> None:
     """Both answers, the diff's opcodes, fidelity and quality as rich tables."""
     base, sparse, diff, fid, qual = result.baseline, result.sparse, result.diff, result.fidelity, result.quality
     console.rule("dense")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -85,7 +86,7 @@ def tune_cmd(
         Console().print(f"wrote {out}")
 
 
-def print_tune(document: dict, console: Console) -> None:
+def print_tune(document: dict[str, Any], console: Console) -> None:
     """The evaluated curve and the answer."""
     table = Table("budget", "ratio", document["metric"], "meets", title=f"{document['policy']}: "
                   f"{document['metric']} {'<=' if document['metric'] == 'mean_kl' else '>='} {document['threshold']:g}")
