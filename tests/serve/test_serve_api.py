@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx2 as httpx
 import openai
@@ -103,6 +104,23 @@ def test_streamed_completion_without_usage(client):
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
     assert all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_client_leaving_a_stream_stops_its_generation(server):
+    before = scrape(server.url)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["text"]
+    deadline = time.monotonic() + 120  # a hang guard: the worker must come free
+    while server.state.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = scrape(server.url)
+    assert after.get("sparseety:request_aborted_total{reason=client_disconnected}", 0) - before.get(
+        "sparseety:request_aborted_total{reason=client_disconnected}", 0) == 1
+    assert after["sparseety:generation_tokens_total{}"] == before["sparseety:generation_tokens_total{}"]
+    assert server.state.scheduler.waiting == 0 and server.state.scheduler.running == 0
 
 
 def test_metrics_move_by_the_request(server, client):

@@ -202,8 +202,20 @@ async def _generate(state: ServerState, body: ChatCompletionRequest | Completion
     task = asyncio.ensure_future(state.scheduler.run(functools.partial(job, streamer=streamer)))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if the client left
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_events(plan, task, pieces, config.model, include_usage), media_type="text/event-stream",
-                             headers=headers)
+    return StreamingResponse(_cancel_when_left(_events(plan, task, pieces, config.model, include_usage), streamer),
+                             media_type="text/event-stream", headers=headers)
+
+
+async def _cancel_when_left(events: AsyncIterator[str], streamer: TokenStreamer) -> AsyncIterator[str]:
+    """Pass the events on; when the client disconnects before the end, stop the generation."""
+    finished = False
+    try:
+        async for event in events:
+            yield event
+        finished = True
+    finally:
+        if not finished:
+            streamer.cancel()
 
 
 async def _events(plan: Plan, task: asyncio.Future[Outcome], pieces: asyncio.Queue[str | None], model: str,

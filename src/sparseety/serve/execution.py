@@ -10,7 +10,7 @@ from sparseety.engine import RunResult, SparseEngine
 from sparseety.serve.health import extraction_health
 from sparseety.serve.metrics import ServeMetrics
 from sparseety.serve.planning import Plan
-from sparseety.serve.streaming import TokenStreamer
+from sparseety.serve.streaming import GenerationCancelled, TokenStreamer
 from sparseety.serve.tracing import Tracer, genai_attributes
 
 
@@ -46,6 +46,9 @@ def execute(plan: Plan, engine: SparseEngine, streamer: TokenStreamer, tracer: T
     try:
         result = engine.generate(plan.encoded, plan.policy, max_new_tokens=plan.max_tokens, tier=plan.decision.tier,
                                  top_k=top_k, seed=plan.seed, request_id=plan.request_id, streamer=streamer)
+    except GenerationCancelled:
+        metrics.request_aborted.labels("client_disconnected").inc()
+        raise
     except BaseException:
         streamer.close()
         raise

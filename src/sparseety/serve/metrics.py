@@ -49,6 +49,8 @@ class ServeMetrics:
                                        ["finished_reason"], registry=r)
         self.request_rejected = Counter(P + "request_rejected", "Requests refused before running, by reason.",
                                         ["reason"], registry=r)
+        self.request_aborted = Counter(P + "request_aborted", "Generations stopped before the end, by reason.",
+                                       ["reason"], registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive generated tokens.",

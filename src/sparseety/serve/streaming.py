@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +29,17 @@ class TokenTimes:
         return out
 
 
+class GenerationCancelled(Exception):
+    """The caller went away; raised inside ``model.generate`` to stop spending compute on it."""
+
+
 class TokenStreamer(BaseStreamer):
     """Receives ids from ``model.generate``: the prompt first, then each step's new tokens.
 
     With a ``loop`` and ``queue`` it decodes the output so far and puts each new piece of text on the
     queue (``None`` marks the end); text that ends inside a multi-byte character is held back until
-    the character is complete. Without them it only records :attr:`times`.
+    the character is complete. Without them it only records :attr:`times`. After :meth:`cancel`, the
+    next token raises :class:`GenerationCancelled`, which ends the generation.
 
     Parameters
     ----------
@@ -50,8 +56,15 @@ class TokenStreamer(BaseStreamer):
         self._prompt_seen = False
         self._ids: list[int] = []
         self._sent = 0
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop the generation at its next token (thread-safe)."""
+        self._cancelled.set()
 
     def put(self, value: Any) -> None:
+        if self._cancelled.is_set():
+            raise GenerationCancelled
         now = time.perf_counter()
         if not self._prompt_seen:
             self._prompt_seen = True
