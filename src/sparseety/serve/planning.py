@@ -11,9 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
+from sparseety.engine import EncodedInput, SparseEngine, encode_messages, encode_prompt
 from sparseety.errors import SparseetyError
 from sparseety.policies import build_policy, resolve_budget
 from sparseety.policies.base import Policy
@@ -63,17 +61,16 @@ def _check_text(text: str, param: str) -> str:
 
 
 def _chat_ids(tokenizer: Any, body: ChatCompletionRequest) -> EncodedInput:
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    """The conversation through :func:`encode_messages`, the encoding ``sparseety audit-usage`` checks against."""
     messages = [{"role": m.role, "content": _check_text(m.text(), "messages")} for m in body.messages]
     if not any(m["content"].strip() for m in messages):
         raise APIError(400, "every message is empty", param="messages", code="invalid_value")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return encode_messages(tokenizer, messages)
+    except SparseetyError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
     except Exception as exc:  # the template's own checks (e.g. role order) reject the conversation
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return EncodedInput(torch.tensor([list(ids)], dtype=torch.long))
 
 
 def _completion_ids(tokenizer: Any, body: CompletionRequest) -> EncodedInput:
