@@ -123,6 +123,26 @@ def test_a_client_leaving_a_stream_stops_its_generation(server):
     assert server.state.scheduler.waiting == 0 and server.state.scheduler.running == 0
 
 
+def test_audit_usage_agrees_with_the_servers_prompt_counts(server, tmp_path):
+    """``sparseety audit-usage`` recounts prompts with the model's own tokenizer and chat template."""
+    from typer.testing import CliRunner
+
+    from sparseety.cli import app
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(body) for body in (
+        {"messages": CHAT, "max_tokens": 2},
+        {"messages": [{"role": "system", "content": "Be brief."}, *CHAT], "max_tokens": 2},
+        {"prompt": PROMPT, "max_tokens": 2},
+    )) + "\n")
+    result = CliRunner().invoke(app, ["audit-usage", "--base-url", f"{server.url}/v1", "--model", MODEL,
+                                      "--requests", str(requests), "--api-key", KEY, "--timeout", "120", "--json"])
+    assert result.exit_code == 0, result.output
+    checks = json.loads(result.stdout)["checks"]
+    assert len(checks) == 3
+    assert all(c["server_prompt"] == c["local_prompt"] for c in checks), checks
+
+
 def test_metrics_move_by_the_request(server, client):
     before = scrape(server.url)
     reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
