@@ -1,4 +1,15 @@
-"""``create_app``: the OpenAI-compatible FastAPI app with ``/metrics`` and the trace endpoints."""
+"""``create_app``: the OpenAI-compatible FastAPI app with ``/metrics`` and the trace endpoints.
+
+Endpoints: ``GET /health``, ``GET /metrics`` (both open), ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (bearer key when one is configured), ``GET /v1/traces?limit=N`` and
+``GET /v1/traces/{request_id}`` (only with a key and a trace store; 404 otherwise).
+
+Headers: ``X-Request-Id`` names the request (response ``id``, sampling, trace lookup; echoed back);
+``X-Sparseety-Trace: 1`` forces a tier-3 trace, like ``"sparsity": {"trace": true}`` in the body.
+Generation is greedy (``temperature``/``top_p`` accepted, ``n`` must be 1) and batch 1 per worker: up to
+``max_concurrency`` requests generate at once on worker threads, ``queue_capacity`` more wait, the rest
+get 429. A client that leaves a stream stops its generation.
+"""
 
 from __future__ import annotations
 
