@@ -6,15 +6,20 @@ a fresh trace store each. Rounds interleave the three configurations (the order 
 that noise from other processes on the machine hits all three alike. In each round, ``--concurrency``
 client threads send ``--requests`` chat requests (``max_tokens`` fixed, distinct request ids, prompts
 cut from ``/usr/share/common-licenses/GPL-3``) to one server, and the round's requests/s is requests over
-the round's wall time. Figures per configuration: requests/s pooled over rounds, the median of the
+the round's time. Figures per configuration: requests/s pooled over rounds, the median of the
 per-round ratios to ``off``, p50/p99 of end-to-end latency as the client saw it.
+
+Two clocks are recorded for every round: the wall clock, and the CPU time of this process (servers,
+trace writers and clients together; ``time.process_time``). On a shared machine other processes' load
+swings wall-clock rounds by tens of percent, while the CPU time a request costs here stays put, so the
+targets are judged on ``--clock cpu`` by default (``--clock wall`` on a quiet machine).
 
 Targets (issue 7): 5% sampling at least 0.97 of off; 100% at least 0.85.
 
 Usage::
 
-    .venv/bin/python benchmarks/serve_bench.py [--rounds 4] [--requests 12] [--concurrency 4]
-        [--max-concurrency 2] [--max-tokens 8] [--threads 1] [--output benchmarks/results/serve_bench.json]
+    .venv/bin/python benchmarks/serve_bench.py [--rounds 6] [--requests 12] [--concurrency 4]
+        [--max-concurrency 2] [--max-tokens 8] [--threads 1] [--clock cpu|wall] [--output benchmarks/results/serve_bench.json]
 """
 
 from __future__ import annotations
@@ -66,8 +71,9 @@ def prompts(count: int, words: int) -> list[str]:
     return [" ".join(tokens[i * step : i * step + words]) + "\n\nSummarize this in one sentence." for i in range(count)]
 
 
-def run_round(url: str, texts: list[str], ids: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[float]]:
-    """Send every prompt with ``concurrency`` clients; returns (wall seconds, per-request latencies)."""
+def run_round(url: str, texts: list[str], ids: list[str], concurrency: int,
+              max_tokens: int) -> tuple[float, float, list[float]]:
+    """Send every prompt with ``concurrency`` clients; returns (wall s, process CPU s, per-request latencies)."""
     import httpx2 as httpx
 
     client = httpx.Client(timeout=600)
@@ -80,12 +86,12 @@ def run_round(url: str, texts: list[str], ids: list[str], concurrency: int, max_
             raise SystemExit(f"request failed: {reply.status_code} {reply.text}")
         return time.perf_counter() - start
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(concurrency) as pool:
         latencies = list(pool.map(one, range(len(texts))))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     client.close()
-    return wall, latencies
+    return wall, cpu, latencies
 
 
 def source_commit() -> str | None:
@@ -97,13 +103,14 @@ def source_commit() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=12, help="requests per configuration per round")
     parser.add_argument("--concurrency", type=int, default=4, help="client threads")
     parser.add_argument("--max-concurrency", type=int, default=2, help="server worker threads")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="clock the targets are judged on")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -130,15 +137,18 @@ def main() -> None:
 
     names = list(configs)
     walls: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}
     latencies: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % 3:] + names[: r % 3]
         for name in order:
             ids = [f"bench-{name.strip('%')}-{r}-{i}" for i in range(args.requests)]
-            wall, lat = run_round(servers[name].url, texts, ids, args.concurrency, args.max_tokens)
+            wall, cpu, lat = run_round(servers[name].url, texts, ids, args.concurrency, args.max_tokens)
             walls[name].append(wall)
+            cpus[name].append(cpu)
             latencies[name].extend(lat)
-            print(f"round {r} {name:>4}: {args.requests / wall:.3f} req/s", flush=True)
+            print(f"round {r} {name:>4}: {args.requests / wall:.3f} req/s wall, {args.requests / cpu:.3f} req/CPU-s",
+                  flush=True)
 
     writer_stats = {}
     for name, server in servers.items():
@@ -156,16 +166,24 @@ def main() -> None:
         figures[name] = {
             "requests_per_s": args.rounds * args.requests / sum(walls[name]),
             "round_requests_per_s": [args.requests / w for w in walls[name]],
+            "requests_per_cpu_s": args.rounds * args.requests / sum(cpus[name]),
+            "round_requests_per_cpu_s": [args.requests / c for c in cpus[name]],
             "latency_p50_s": float(np.percentile(lat, 50)),
             "latency_p99_s": float(np.percentile(lat, 99)),
             "requests": int(lat.size),
         }
     targets = {}
+    times = cpus if args.clock == "cpu" else walls
     for name, target in TARGETS.items():
-        pooled = figures[name]["requests_per_s"] / figures["off"]["requests_per_s"]
-        per_round = statistics.median(walls["off"][r] / walls[name][r] for r in range(args.rounds))
+        ratios = {}
+        for clock, spent in (("cpu", cpus), ("wall", walls)):
+            ratios[clock] = {
+                "pooled_ratio": sum(spent["off"]) / sum(spent[name]),
+                "median_round_ratio": statistics.median(spent["off"][r] / spent[name][r] for r in range(args.rounds)),
+            }
+        pooled = sum(times["off"]) / sum(times[name])
         targets[f"{name} sampling requests/s vs off"] = {
-            "target": target, "pooled_ratio": pooled, "median_round_ratio": per_round, "met": pooled >= target}
+            "target": target, "clock": args.clock, "pooled_ratio": pooled, "met": pooled >= target, **ratios}
     report = {
         "benchmark": "serve_bench",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -182,10 +200,12 @@ def main() -> None:
     args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     for name in names:
         f = figures[name]
-        print(f"{name:>4}: {f['requests_per_s']:.3f} req/s, p50 {f['latency_p50_s']:.2f} s, p99 {f['latency_p99_s']:.2f} s")
+        print(f"{name:>4}: {f['requests_per_s']:.3f} req/s wall, {f['requests_per_cpu_s']:.3f} req/CPU-s, "
+              f"p50 {f['latency_p50_s']:.2f} s, p99 {f['latency_p99_s']:.2f} s")
     for label, t in targets.items():
-        print(f"{label}: pooled {t['pooled_ratio']:.3f}, median of rounds {t['median_round_ratio']:.3f} "
-              f"(target >= {t['target']}) {'met' if t['met'] else 'MISSED'}")
+        print(f"{label} ({t['clock']} clock): pooled {t['pooled_ratio']:.3f} (target >= {t['target']}) "
+              f"{'met' if t['met'] else 'MISSED'}; cpu median of rounds {t['cpu']['median_round_ratio']:.3f}, "
+              f"wall pooled {t['wall']['pooled_ratio']:.3f}, wall median of rounds {t['wall']['median_round_ratio']:.3f}")
     print(f"saved {args.output}")
 
 
