@@ -164,11 +164,14 @@ def test_metrics_move_by_the_request(server, client):
     assert moved("sparseety:kv_cache_bytes_dense_total{policy=streaming}") == sparsity["kv_cache_bytes_dense"]
     assert moved("sparseety:kv_cache_kept_fraction_sum{policy=streaming}") == pytest.approx(
         sparsity["kv_cache_bytes_peak"] / sparsity["kv_cache_bytes_dense"])
-    assert moved("sparseety:trace_records_traced_total{}") == 0  # sample rate 0: nothing stored
+    # Sample rate 0: nothing sampled, but every request leaves its tier-1 row (counts and timings).
+    assert moved("sparseety:trace_records_sampled_total{reason=sampled}") == 0
+    assert moved("sparseety:trace_records_traced_total{}") == 1
     assert after["sparseety:num_requests_running{}"] == 0
 
 
 def test_forced_trace_is_stored_with_genai_attributes_and_health_metrics(server):
+    assert server.state.tracer.writer.flush(60)  # earlier requests' tier-1 rows are committed before the baseline
     before = scrape(server.url)
     reply = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
                  headers={"X-Request-Id": "forced-1", "X-Sparseety-Trace": "1"})
@@ -210,11 +213,16 @@ def test_body_field_forces_a_trace_at_the_tier_it_names(server):
     assert stored["tier"] == 2 and stored["document"]["otel"]["gen_ai.operation.name"] == "chat"
 
 
-def test_unsampled_request_is_not_stored(server):
-    assert post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1},
-                headers={"X-Request-Id": "plain-1"}).status_code == 200
+def test_unsampled_request_keeps_only_its_tier_1_row(server):
+    reply = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+                 headers={"X-Request-Id": "plain-1"})
+    assert reply.status_code == 200
     assert server.state.tracer.writer.flush(60)
-    missing = httpx.get(f"{server.url}/v1/traces/plain-1", headers={"Authorization": f"Bearer {KEY}"})
+    stored = httpx.get(f"{server.url}/v1/traces/plain-1", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert stored["tier"] == 1 and not stored["arrays"]  # counts and timings only
+    assert stored["document"]["usage"]["completion_tokens"] == reply.json()["usage"]["completion_tokens"]
+    assert stored["document"]["otel"]["gen_ai.usage.input_tokens"] == reply.json()["usage"]["prompt_tokens"]
+    missing = httpx.get(f"{server.url}/v1/traces/never-sent", headers={"Authorization": f"Bearer {KEY}"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
 
 

@@ -60,8 +60,9 @@ def test_concurrent_clients_get_answers_and_every_sampled_request_is_stored(engi
     assert all(1 <= tokens <= 4 for _, tokens in answers)
     sampled = {request_id for request_id in ids if should_sample(request_id, RATE)}
     assert sampled, "the fixed ids must include sampled ones"
-    stored = {row["request_id"] for row in list_traces(trace_dir, limit=1000)}
-    assert stored == sampled
+    rows = list_traces(trace_dir, limit=1000)
+    assert {row["request_id"] for row in rows} == set(ids), "every request leaves at least its tier-1 row"
+    assert {row["request_id"] for row in rows if row["tier"] >= 2} == sampled
     for request_id in sampled:
         trace = load_trace(trace_dir, request_id)
         assert trace.tier == 2 and "importance" in trace.arrays
@@ -135,7 +136,7 @@ def test_sigkill_mid_load_keeps_every_committed_trace(tmp_path):
     assert len(rows) >= committed
     for row in rows:
         trace = load_trace(trace_dir, row["request_id"])
-        assert trace.request_id == row["request_id"] and trace.tier == 2
+        assert trace.request_id == row["request_id"] and trace.tier in (1, 2)
         assert trace.document["otel"]["gen_ai.usage.output_tokens"] == row["completion_tokens"]
     with connect(trace_dir) as con:
         assert con.execute("SELECT count(DISTINCT request_id) FROM token_events").fetchone()[0] <= len(rows)

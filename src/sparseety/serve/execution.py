@@ -41,7 +41,8 @@ def finish_reason(result: RunResult, max_tokens: int, eos: frozenset[int]) -> st
 
 def execute(plan: Plan, engine: SparseEngine, streamer: TokenStreamer, tracer: Tracer, metrics: ServeMetrics,
             *, top_k: int, eos: frozenset[int]) -> Outcome:
-    """Generate ``plan`` on this (worker) thread, then record metrics and hand a traced result to the store."""
+    """Generate ``plan`` on this (worker) thread, then record metrics and hand the result to the store
+    (with a trace directory: every request at tier 1 at least, the sampled and forced at their tier)."""
     started = time.perf_counter()
     try:
         result = engine.generate(plan.encoded, plan.policy, max_new_tokens=plan.max_tokens, tier=plan.decision.tier,
@@ -62,15 +63,16 @@ def execute(plan: Plan, engine: SparseEngine, streamer: TokenStreamer, tracer: T
         max_tokens=plan.max_tokens, temperature=plan.temperature, top_p=plan.top_p, decision=plan.decision,
         ttft_s=None if first is None else first - plan.arrival, e2e_s=finished - plan.arrival,
     )
-    if plan.decision.traced:
-        metrics.trace_sampled.labels(plan.decision.reason).inc()
+    if tracer.enabled:  # tier 1 (counts and timings) for every request, more for the sampled and forced
         extra: dict[str, Any] = {"otel": attributes}
-        special = tuple(getattr(engine.tokenizer, "all_special_ids", ()) or ())
-        health = extraction_health(result, special, top_k) if result.tier >= 2 else None
-        if health is not None:
-            metrics.observe_health(health)
-            extra["extraction_health"] = {**asdict(health), "adjacent_overlap": {
-                str(layer): value for layer, value in health.adjacent_overlap.items()}}
+        if plan.decision.traced:
+            metrics.trace_sampled.labels(plan.decision.reason).inc()
+            special = tuple(getattr(engine.tokenizer, "all_special_ids", ()) or ())
+            health = extraction_health(result, special, top_k) if result.tier >= 2 else None
+            if health is not None:
+                metrics.observe_health(health)
+                extra["extraction_health"] = {**asdict(health), "adjacent_overlap": {
+                    str(layer): value for layer, value in health.adjacent_overlap.items()}}
         if tracer.submit(result, plan.decision, extra):
             metrics.trace_traced.inc()
     tracer.export_span(attributes, plan.arrival_ns, time.time_ns())

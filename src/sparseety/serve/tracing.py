@@ -2,7 +2,7 @@
 
 Sampling hashes the request id (:func:`sparseety.store.should_sample`), so every component agrees on
 the same requests. Sampled requests run at the server's tier (2 by default), forced ones at tier 3,
-the rest at tier 1 (counts and timings only, nothing stored). Trace records carry OpenTelemetry GenAI
+the rest at tier 1 (counts and timings only: one ``requests`` row each). Trace records carry OpenTelemetry GenAI
 attribute names under ``extra["otel"]``; with an OTLP endpoint each request is also exported as a span.
 """
 
@@ -109,7 +109,7 @@ class Tracer:
         return TraceDecision(UNTRACED_TIER, None)
 
     def submit(self, result: RunResult, decision: TraceDecision, extra: dict[str, Any]) -> bool:
-        """Hand a traced result to the writer without waiting; False when it was dropped (and counted)."""
+        """Hand a result to the writer without waiting; False when it was dropped (and counted)."""
         rate = 1.0 if decision.reason == "forced" else self.config.sample_rate
         return bool(self.writer.submit(result, sample_rate=rate, extra=extra))
 
