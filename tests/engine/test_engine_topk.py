@@ -118,3 +118,39 @@ def test_k_covering_the_context_equals_dense(k, engine_for, greedy_reference):
     assert result.output_ids == greedy_reference("mixtral", ids, NEW)
     assert result.skipped_events == 0 and "skipped.position" not in result.arrays
     assert np.isfinite(result.arrays["importance"]).all()
+
+
+def test_attention_topk_on_dense_is_the_topk_policy(engine_for):
+    """``attention_topk=k`` under the dense policy is exactly the ``topk_attention`` policy with budget k."""
+    engine, ids = engine_for("qwen2"), prompt_ids(PROMPT, seed=5)
+    policy_run = run(engine, ids, build_policy("topk_attention", 12), NEW, tier=2)
+    composed = run(engine, ids, build_policy("dense"), NEW, tier=2, attention_topk=12)
+    assert composed.output_ids == policy_run.output_ids
+    assert composed.skipped_events == policy_run.skipped_events > 0
+    for column in ("step", "layer", "kv_head", "position"):
+        assert np.array_equal(composed.arrays[f"attended.{column}"], policy_run.arrays[f"attended.{column}"])
+
+
+def test_attention_topk_composes_with_eviction(engine_for):
+    """Under H2O the cache still holds its budget, and each decode step attends to at most k held slots."""
+    engine, ids, budget, k = engine_for("llama"), prompt_ids(PROMPT, seed=6), 16, 6
+    result = run(engine, ids, build_policy("h2o", budget), NEW, tier=2, attention_topk=k)
+    assert result.eviction_events > 0 and result.skipped_events > 0
+    a = result.arrays
+    keys = np.stack([a["attended.step"], a["attended.layer"], a["attended.kv_head"]], axis=1)
+    _, counts = np.unique(keys, axis=0, return_counts=True)
+    assert counts.max() == k
+    for layer, heads in result.kept_positions_final.items():
+        assert all(len(p) <= budget for p in heads.values())
+
+
+@pytest.mark.parametrize(("policy", "k", "message"), [
+    ("dense", 0, "attention_topk must be a positive number of slots, got 0"),
+    ("topk_attention", 4, "already attends to its top"),
+])
+def test_attention_topk_bad_values(engine_for, policy, k, message):
+    from sparseety.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        run(engine_for("llama"), prompt_ids(PROMPT), build_policy(policy, 8 if policy != "dense" else None), 2,
+            attention_topk=k)

@@ -100,6 +100,7 @@ class RunContext:
     prune: PruneRun | None = None
     layers: LayerSelection = field(default_factory=LayerSelection)
     auto_k: int = 16
+    attention_topk: int | None = None  #: decode attends to this many highest-scoring held slots, any policy
 
     recorded_layers: tuple[int, ...] | None = None  #: layers recording importance (None: not chosen yet)
     layer_mass: dict[int, float] = field(default_factory=dict)  #: ``auto``: top-k mass of the last prompt row per layer
@@ -228,7 +229,7 @@ class RunContext:
                 last_row=signal is Signal.LAST_ROW,
                 window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
                 colsum_stride=policy.colsum_stride(q) if signal is Signal.COLSUM else 0,
-                topk=policy.budget if policy.attends_topk and not self.prompt_forward else None,
+                topk=None if self.prompt_forward else (policy.budget if policy.attends_topk else self.attention_topk),
             )
         return self._plan
 

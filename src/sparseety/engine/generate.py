@@ -73,6 +73,7 @@ class SparseEngine:
         on_prefill_layer: Callable[[int, int], None] | None = None,
         streamer: Any = None,
         prune: PruneSchedule | None = None,
+        attention_topk: int | None = None,
         layers: str | Sequence[int] | LayerSelection | None = None,
     ) -> RunResult:
         """Generate greedily and record the token lifecycle.
@@ -91,6 +92,8 @@ class SparseEngine:
             the prompt ids first, then each step's new token ids.
         prune : token pruning of the prompt (or, in the long-document protocol, the context) forward.
         layers : layers recording importance (tier >= 2): ``"all"`` (default), ``"auto"`` or layer numbers.
+        attention_topk : while decoding, attend only to this many highest-scoring held slots per KV head,
+            under any evicting policy (``topk_attention`` is this with no eviction).
         """
         if tier not in (0, 1, 2, 3):
             raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
@@ -109,7 +112,7 @@ class SparseEngine:
                 f"the model's context of {self.max_positions} tokens"
             )
         with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer,
-                           prune=prune, layers=selection, top_k=top_k) as ctx:
+                           prune=prune, layers=selection, top_k=top_k, attention_topk=attention_topk) as ctx:
             if encoded.compress_len is not None:
                 ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
                 self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
@@ -139,6 +142,7 @@ class SparseEngine:
         seed: int = 0,
         on_prefill_layer: Callable[[int, int], None] | None = None,
         prune: PruneSchedule | None = None,
+        attention_topk: int | None = None,
         layers: str | Sequence[int] | LayerSelection | None = None,
         top_k: int = 16,
     ) -> Iterator[RunContext]:
@@ -150,6 +154,12 @@ class SparseEngine:
         """
         if prune is not None:
             prune.check_layers(self.num_layers)
+        if attention_topk is not None:
+            if attention_topk <= 0:
+                raise InputError(f"attention_topk must be a positive number of slots, got {attention_topk}")
+            if policy.attends_topk:
+                raise InputError(f"policy {policy.name!r} already attends to its top {policy.budget} slots; "
+                                 "attention_topk composes with the other policies")
         torch.manual_seed(seed)
         ctx = RunContext(
             policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
@@ -157,7 +167,7 @@ class SparseEngine:
             compress_once=encoded.compress_len is not None, seed=seed, on_prefill_layer=on_prefill_layer,
             probes=ModuleProbes() if tier >= 2 else None,
             prune=PruneRun(prune, self.num_layers) if prune is not None else None,
-            layers=parse_layers(layers, self.num_layers), auto_k=top_k,
+            layers=parse_layers(layers, self.num_layers), auto_k=top_k, attention_topk=attention_topk,
         )
         with activate(ctx), torch.inference_mode():
             yield ctx
