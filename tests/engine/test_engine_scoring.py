@@ -50,8 +50,18 @@ def snapkv_scores(attn: np.ndarray, window: int = 4, kernel: int = 3) -> np.ndar
 CASES = {
     "h2o": (build_policy("h2o", BUDGET, {"prefill_rows": 0}), h2o_scores, int(BUDGET * 0.5)),
     "snapkv": (build_policy("snapkv", BUDGET, {"window": 4, "kernel": 3}), snapkv_scores, 4),
-    "tova": (build_policy("tova", BUDGET), lambda attn: attn[-1], 0),
+    "tova": (build_policy("tova", BUDGET, {"heads": "kv_head"}), lambda attn: attn[-1], 0),
 }
+
+
+def test_tova_layer_mode_evicts_by_the_mean_over_all_heads(engine_for, eager_attention):
+    engine = engine_for("llama")
+    result = run(engine, prompt_ids(PROMPT), build_policy("tova", BUDGET), 2, tier=2)
+    for layer in range(engine.num_layers):
+        expected = expected_evicted(eager_attention[layer][:, -1].mean(axis=0), recent(PROMPT, 0), BUDGET)
+        for head in range(KV_HEADS):
+            positions, steps = evicted_by_head(result, layer, head)
+            assert set(positions[steps == 0].tolist()) == expected, f"layer {layer} head {head}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

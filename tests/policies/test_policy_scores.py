@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparseety.engine.context import group_mean
+from sparseety.errors import ConfigError
 from sparseety.policies import Observation, build_policy, select_keep
 from sparseety.policies.snapkv import window_vote
 
@@ -83,10 +85,18 @@ def test_tova_evicts_the_lowest_group_averaged_attention():
                               [0.20, 0.20, 0.60], [0.00, 0.50, 0.50]]])  # group 1 -> mean 0.10 0.35 0.55
     grouped = group_mean(per_head, kv_heads=2)
     assert torch.allclose(grouped, torch.tensor([[[0.35, 0.30, 0.35], [0.10, 0.35, 0.55]]]))
-    policy = build_policy("tova", 2)
+    policy = build_policy("tova", 2, {"heads": "kv_head"})
     scores, state = policy.score(observation(3, kv_heads=2, attention=grouped))
     assert state is None
     assert select_keep(scores, 2)[0].tolist() == [[0, 2], [1, 2]]
+
+
+def test_tova_layer_mode_keeps_one_set_from_the_mean_over_all_heads():
+    grouped = torch.tensor([[[0.35, 0.30, 0.35], [0.10, 0.35, 0.55]]])  # layer mean: 0.225 0.325 0.45
+    scores, _ = build_policy("tova", 2).score(observation(3, kv_heads=2, attention=grouped))
+    assert select_keep(scores, 2)[0].tolist() == [[1, 2], [1, 2]]
+    with pytest.raises(ConfigError, match="tova: heads must be one of layer, kv_head, got 'query'"):
+        build_policy("tova", 2, {"heads": "query"})
 
 
 def test_knorm_keeps_lowest_norm_keys():

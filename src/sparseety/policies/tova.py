@@ -7,22 +7,37 @@ from typing import ClassVar
 
 import torch
 
+from sparseety.errors import ConfigError
 from sparseety.policies.base import Observation, Policy, Signal
+
+HEAD_MODES = ("layer", "kv_head")
 
 
 @dataclass
 class TOVAPolicy(Policy):
     """Every step, evict the slots with the lowest attention from the current query.
 
-    The score is the current (last) query row's attention, averaged over the heads of the KV group;
-    at prefill the last prompt token's row decides.
+    The score is the current (last) query row's attention; at prefill the last prompt token's row
+    decides. ``heads="layer"`` (the paper's choice, and kvpress's) averages it over every head of the
+    layer, so all KV heads keep one shared set; ``heads="kv_head"`` averages only over each KV group's
+    query heads, so every KV head keeps its own set.
     """
 
     name: ClassVar[str] = "tova"
     summary: ClassVar[str] = "lowest attention from the current query is evicted (TOVA)"
     prefill_signal: ClassVar[Signal] = Signal.LAST_ROW
     decode_signal: ClassVar[Signal] = Signal.LAST_ROW
+    heads: str = "layer"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.heads not in HEAD_MODES:
+            raise ConfigError(f"tova: heads must be one of {', '.join(HEAD_MODES)}, got {self.heads!r}")
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[b, kv_heads, n]`` attention of the current query (slots of every KV head are aligned in
+        ``layer`` mode, since every head has kept the same positions)."""
         assert obs.attention is not None
-        return obs.attention, None
+        if self.heads == "kv_head":
+            return obs.attention, None
+        return obs.attention.mean(dim=1, keepdim=True).expand_as(obs.attention), None
