@@ -22,7 +22,17 @@ from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from sparseety.errors import ConfigError
 
@@ -146,9 +156,9 @@ class RunFile(_Section):
         else:
             topk_policy = s.policy == "topk_attention"
             values.update({
-                "sparsity.policy": (("policy",), s.policy),
+                "sparsity.policy": (("policy", "policies"), s.policy),
                 "sparsity.kv_cache_limit": (("budget",), None if topk_policy else s.kv_cache_limit),
-                "sparsity.ratio": (("ratio",), s.ratio),
+                "sparsity.ratio": (("ratio", "ratios"), s.ratio),
                 "sparsity.attention_topk": (("budget",) if topk_policy else ("attention_topk",), s.attention_topk),
                 "sparsity.policy_opts": (("policy_opt",), [f"{k}={v}" for k, v in s.policy_opts.items()] or None),
                 "sparsity.token_pruning": (("prune_schedule",), self.prune_schedule(num_layers)),
@@ -156,14 +166,19 @@ class RunFile(_Section):
         return {key: entry for key, entry in values.items() if entry[1] is not None}
 
     def prune_schedule(self, num_layers: int | None = None) -> str | None:
-        """``token_pruning`` as a schedule string: a string as written, ``true`` as the default schedule."""
+        """``token_pruning`` as a schedule string: a string as written; ``true`` as ``default`` (resolved
+        against the model's depth once it is loaded), or as the schedule itself when ``num_layers`` is given."""
         pruning = self.sparsity.token_pruning
         if isinstance(pruning, str):
             return pruning
         if not pruning:
             return None
-        layers = num_layers or 30
-        return ",".join(f"{max(0, int(layers * depth) - 1)}:{fraction}" for depth, fraction in DEFAULT_PRUNE_DEPTHS)
+        return "default" if num_layers is None else default_prune_schedule(num_layers)
+
+
+def default_prune_schedule(num_layers: int) -> str:
+    """The schedule ``token_pruning: true`` means for a model of ``num_layers`` layers."""
+    return ",".join(f"{max(0, int(num_layers * depth) - 1)}:{fraction}" for depth, fraction in DEFAULT_PRUNE_DEPTHS)
 
 
 def _problems(exc: ValidationError, text: str) -> list[str]:
@@ -240,7 +255,8 @@ def with_run_file(fn: F) -> F:
                 if name is None:
                     print(f"note: {path}: {key} does not apply to `{ctx.info_name}`; ignored", file=sys.stderr)
                 elif getattr(ctx.get_parameter_source(name), "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
-                    kwargs[name] = value
+                    # A list flag such as --policies or --ratios takes the single value as its text.
+                    kwargs[name] = str(value) if isinstance(kwargs[name], str) and not isinstance(value, str) else value
             logging.getLogger("sparseety").setLevel(run_file.logging.level)
         return fn(*args, **kwargs)
 

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from tiny_models import prompt_ids
 
-from sparseety.analysis.bias import POSITION_BUCKETS, TOKEN_CLASSES, bias_report, position_bucket, token_class
+from sparseety.analysis.bias import (
+    POSITION_BUCKETS,
+    TOKEN_CLASSES,
+    bias_report,
+    position_bucket,
+    token_class,
+)
 from sparseety.engine import EncodedInput
 from sparseety.errors import RecordError
 from sparseety.policies import build_policy

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sparseety.analysis.quality import embedding_available, embedding_cosine, quality, rouge_l
+from sparseety.analysis.quality import (
+    embedding_available,
+    embedding_cosine,
+    quality,
+    rouge_l,
+)
 
 
 def test_rouge_l_is_the_lcs_f_measure():

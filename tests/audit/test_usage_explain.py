@@ -7,7 +7,12 @@ import json
 import pytest
 
 from sparseety.audit.usage import (
-    AuditRequest, explain_completion, explain_prompt, local_completion_tokens, local_prompt_tokens, read_requests,
+    AuditRequest,
+    explain_completion,
+    explain_prompt,
+    local_completion_tokens,
+    local_prompt_tokens,
+    read_requests,
 )
 from sparseety.errors import InputError
 from sparseety.models import load_tokenizer
@@ -96,3 +101,10 @@ def test_unreachable_server_fails_fast_with_exit_2(tmp_path):
                                       "--requests", str(path), "--timeout", "2"])
     assert result.exit_code == 2
     assert "error: cannot reach the server at http://127.0.0.1:9/v1" in result.stderr
+
+
+def test_a_chat_gap_no_variant_explains_is_the_template_when_plain_prompts_agree(tokenizer):
+    local = local_prompt_tokens(tokenizer, CHAT)
+    assert explain_prompt(tokenizer, CHAT, local * 3 + 17).startswith("tokenizer vocabulary differs")
+    cause = explain_prompt(tokenizer, CHAT, local * 3 + 17, vocabulary_agrees=True)
+    assert cause.startswith("chat template differs: plain prompts count the same") and f"{local * 3 + 17} tokens" in cause

@@ -7,7 +7,14 @@ from itertools import accumulate
 
 import pytest
 
-from sparseety.bench.passkey import LICENSE_DIR, NEEDLE, is_correct, make_case, make_cases, word_count
+from sparseety.bench.passkey import (
+    LICENSE_DIR,
+    NEEDLE,
+    is_correct,
+    make_case,
+    make_cases,
+    word_count,
+)
 from sparseety.errors import ConfigError
 
 

@@ -28,6 +28,7 @@ def test_the_documented_example_maps_onto_flags():
     assert values["sparsity.kv_cache_limit"] == 2048
     assert values["sparsity.attention_topk"] == 16
     assert values["sparsity.token_pruning"] == "6:0.3,14:0.5"
+    assert RunFile.load(EXAMPLE).flag_values()["sparsity.token_pruning"][1] == "default"
     assert values["extraction.layers"] == "auto"
     assert values["logging.output_file"] == "token_trace.jsonl"
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from tiny_models import build_model, build_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from sparseety.engine import SparseEngine
-from tiny_models import build_model, build_tokenizer
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import (
+    HEAD_DIM,
+    KV_HEADS,
+    evicted_by_head,
+    kept_after_step,
+    prompt_ids,
+    run,
+)
 
 from sparseety.policies import build_policy
-from tiny_models import HEAD_DIM, KV_HEADS, evicted_by_head, kept_after_step, prompt_ids, run
 
 PROMPT, NEW, BUDGET = 40, 10, 16
 SEEN = PROMPT + NEW - 1

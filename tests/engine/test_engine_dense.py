@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import FAMILIES, HEAD_DIM, KV_HEADS, build_model, prompt_ids, run
 
 from sparseety.engine import EncodedInput, SparseEngine
 from sparseety.policies import build_policy
-from tiny_models import FAMILIES, HEAD_DIM, KV_HEADS, build_model, prompt_ids, run
 
 PROMPT, NEW = 40, 12
 

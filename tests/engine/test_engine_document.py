@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import KV_HEADS, build_tokenizer, prompt_ids
 
 from sparseety.engine import EncodedInput, encode_document
 from sparseety.errors import InputError
 from sparseety.policies import build_policy
-from tiny_models import KV_HEADS, build_tokenizer, prompt_ids
 
 CONTEXT, QUESTION, NEW, BUDGET = 40, 8, 8, 12
 POLICIES = [

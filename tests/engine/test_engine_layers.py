@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import build_model, prompt_ids, run
 
 import sparseety.engine.attention as attention
 from sparseety.engine.layers import parse_layers, topk_mass
 from sparseety.errors import ConfigError
 from sparseety.policies import build_policy
-from tiny_models import build_model, prompt_ids, run
 
 PROMPT, NEW = 24, 5
 

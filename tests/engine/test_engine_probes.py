@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import MOE_FAMILIES, build_model, kept_after_step, prompt_ids, run
 
 from sparseety.policies import build_policy
-from tiny_models import MOE_FAMILIES, build_model, kept_after_step, prompt_ids, run
 
 PROMPT, NEW = 24, 8
 SEEN = PROMPT + NEW - 1

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import HEAD_DIM, KV_HEADS, prompt_ids, repetitive_ids, run
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparseety.engine import EncodedInput
 from sparseety.policies import build_policy
 from sparseety.policies.prune import parse_prune_schedule
-from tiny_models import HEAD_DIM, KV_HEADS, prompt_ids, repetitive_ids, run
 
 PROMPT, NEW = 40, 6
 SEEN = PROMPT + NEW - 1

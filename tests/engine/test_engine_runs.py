@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import build_tokenizer, prompt_ids, run
 
 from sparseety.engine import EncodedInput, encode_prompt
 from sparseety.errors import InputError
 from sparseety.policies import build_policy
-from tiny_models import build_tokenizer, prompt_ids, run
 
 PROMPT, NEW = 24, 6
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import KV_HEADS, build_model, evicted_by_head, prompt_ids, run
 
 from sparseety.policies import build_policy
-from tiny_models import KV_HEADS, build_model, evicted_by_head, prompt_ids, run
 
 PROMPT, BUDGET = 32, 12
 

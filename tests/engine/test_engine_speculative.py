@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import HEAD_DIM, KV_HEADS, prompt_ids, repetitive_ids, run
 
 from sparseety.errors import SparseetyError
 from sparseety.policies import build_policy
-from tiny_models import HEAD_DIM, KV_HEADS, prompt_ids, repetitive_ids, run
 
 PROMPT, NEW = 42, 16
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import KV_HEADS, kept_after_step, prompt_ids, run
 
 from sparseety.policies import build_policy
-from tiny_models import KV_HEADS, kept_after_step, prompt_ids, run
 
 PROMPT, NEW = 30, 8
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from tiny_models import prompt_ids, run
 
 from sparseety.policies import build_policy
-from tiny_models import prompt_ids, run
 
 
 def _fingerprint(result):

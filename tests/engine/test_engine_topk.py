@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import KV_HEADS, prompt_ids, run
 
 from sparseety.engine.attention import topk_attention
 from sparseety.policies import build_policy
-from tiny_models import KV_HEADS, prompt_ids, run
 
 PROMPT, NEW, K = 20, 10, 24
 
@@ -51,7 +51,7 @@ def test_skipped_counts_per_layer_per_decode_step(engine_for):
         expected_total += (n - k) * KV_HEADS * engine.num_layers
         for layer in range(engine.num_layers):
             for head in range(KV_HEADS):
-                sel = lambda kind: (a[f"{kind}.step"] == step) & (a[f"{kind}.layer"] == layer) & (a[f"{kind}.kv_head"] == head)  # noqa: E731
+                sel = lambda kind: (a[f"{kind}.step"] == step) & (a[f"{kind}.layer"] == layer) & (a[f"{kind}.kv_head"] == head)
                 skipped = a["skipped.position"][sel("skipped")]
                 attended = a["attended.position"][sel("attended")]
                 assert skipped.size == n - k and attended.size == k

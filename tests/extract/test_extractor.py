@@ -110,7 +110,7 @@ def test_top_k_and_min_score_both_apply():
     scores = np.array([[0.9, 0.1, 0.5, 0.04, 0.3, 0.06]])
     cfg = dict(layout="qk", normalize="none")
     ids = list(range(6))
-    kept = lambda **kw: [r.position for r in extract(ids, scores, ExtractionConfig(**cfg, **kw))]  # noqa: E731
+    kept = lambda **kw: [r.position for r in extract(ids, scores, ExtractionConfig(**cfg, **kw))]
     assert kept(top_k=16, min_score=0.05) == [0, 2, 4, 1, 5]  # min_score binds
     assert kept(top_k=2, min_score=0.05) == [0, 2]  # top_k binds
     assert kept(top_k=3, min_score=0.4) == [0, 2]  # min_score binds again

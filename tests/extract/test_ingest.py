@@ -14,7 +14,12 @@ from safetensors.numpy import save_file as save_numpy_safetensors
 from safetensors.torch import save_file as save_torch_safetensors
 
 from sparseety.errors import RecordError
-from sparseety.extract import OfflineRecord, example_record_path, load_scores, read_records
+from sparseety.extract import (
+    OfflineRecord,
+    example_record_path,
+    load_scores,
+    read_records,
+)
 
 
 def record(**overrides) -> dict:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from sparseety.errors import ConfigError, SparseetyError
-from sparseety.policies import build_policy, list_policies, policy_options, resolve_budget
+from sparseety.policies import (
+    build_policy,
+    list_policies,
+    policy_options,
+    resolve_budget,
+)
 
 EXPECTED = {"dense", "streaming", "h2o", "snapkv", "tova", "knorm", "random", "pyramid", "topk_attention"}
 BUDGETED = sorted(EXPECTED - {"dense"})

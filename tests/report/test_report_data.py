@@ -10,7 +10,13 @@ import pytest
 
 from sparseety.errors import ConfigError, RecordError
 from sparseety.report.bench_data import bench_view
-from sparseety.report.data import drafts_per_step, moe_load, pruning_per_layer, ranks, trace_view
+from sparseety.report.data import (
+    drafts_per_step,
+    moe_load,
+    pruning_per_layer,
+    ranks,
+    trace_view,
+)
 from sparseety.report.sources import load_source
 from sparseety.store import StoredTrace
 

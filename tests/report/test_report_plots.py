@@ -9,7 +9,13 @@ from report_helpers import png_size
 
 from sparseety.report import write_pngs
 from sparseety.report.data import trace_view
-from sparseety.report.plots import DPI, FIGSIZE, STATE_COLORS, save_figures, timeline_rgb
+from sparseety.report.plots import (
+    DPI,
+    FIGSIZE,
+    STATE_COLORS,
+    save_figures,
+    timeline_rgb,
+)
 from sparseety.report.timeline import build_timeline
 
 SIZE = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))

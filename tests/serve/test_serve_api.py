@@ -8,8 +8,8 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-
 from serve_helpers import MODEL, live_server, scrape
+
 from sparseety.engine import encode_prompt
 from sparseety.policies import build_policy, resolve_budget
 from sparseety.store import load_trace
@@ -141,6 +141,55 @@ def test_audit_usage_agrees_with_the_servers_prompt_counts(server, tmp_path):
     checks = json.loads(result.stdout)["checks"]
     assert len(checks) == 3
     assert all(c["server_prompt"] == c["local_prompt"] for c in checks), checks
+    assert all(c["agrees"] and c["prompt_cause"] is None for c in checks), checks
+
+
+def _audit_with(server, tmp_path, tokenizer_dir):
+    from typer.testing import CliRunner
+
+    from sparseety.cli import app
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."}, *CHAT], "max_tokens": 2})
+                        + "\n" + json.dumps({"prompt": PROMPT, "max_tokens": 2}) + "\n")
+    result = CliRunner().invoke(app, ["audit-usage", "--base-url", f"{server.url}/v1", "--model", MODEL,
+                                      "--requests", str(requests), "--api-key", KEY, "--timeout", "120",
+                                      "--tokenizer", str(tokenizer_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_audit_usage_explains_a_different_chat_template(server, tmp_path):
+    """The same vocabulary with a template that drops the role markers: the chat prompt disagrees, and the
+    audit names the template; the completion request (no template) still agrees."""
+    from sparseety.models import load_tokenizer
+
+    tokenizer = load_tokenizer(MODEL)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "other-template")
+    chat, completion = _audit_with(server, tmp_path, tmp_path / "other-template")["checks"]
+    assert chat["server_prompt"] > chat["local_prompt"] and not chat["agrees"]
+    assert chat["prompt_cause"].startswith("chat template differs"), chat
+    assert completion["server_prompt"] == completion["local_prompt"]
+
+
+def test_audit_usage_explains_a_different_vocabulary(server, tmp_path):
+    """A word-level tokenizer built here: every count differs, and the audit blames the vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for text in (PROMPT, *(m["content"] for m in CHAT)) for w in text.split()})
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "words")
+    report = _audit_with(server, tmp_path, tmp_path / "words")
+    assert report["disagreements"] == 2
+    for check in report["checks"]:
+        assert check["server_prompt"] != check["local_prompt"]
+        assert "vocabulary differs" in (check["prompt_cause"] or "") + (check["completion_cause"] or ""), check
 
 
 def test_metrics_move_by_the_request(server, client):
@@ -344,12 +393,14 @@ def test_spans_reach_an_otlp_endpoint(engine):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from threading import Thread
 
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
 
     received: list[tuple[str, bytes]] = []
 
     class Collector(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             received.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")

@@ -17,8 +17,8 @@ import httpx2 as httpx
 import openai
 import psutil
 import pytest
-
 from serve_helpers import MODEL, live_server, scrape
+
 from sparseety.store import connect, list_traces, load_trace, should_sample
 
 CLIENTS, REQUESTS, RATE = 8, 4, 0.3

@@ -6,7 +6,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
-
 from serve_helpers import MODEL, live_server
 
 KEY = "fuzz-key"

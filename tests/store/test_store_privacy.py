@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sparseety.store.privacy import find_secrets, redact_text, redact_tokens, redact_value
+from sparseety.store.privacy import (
+    find_secrets,
+    redact_text,
+    redact_tokens,
+    redact_value,
+)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from sparseety.analysis.token_diff import TokenDiff, token_diff
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput, RunResult, SparseEngine
     from sparseety.policies import Policy
+    from sparseety.policies.prune import PruneSchedule
 
 
 @dataclass
@@ -43,18 +44,22 @@ def dense_policy() -> Policy:
 
 def compare(engine: SparseEngine, encoded: EncodedInput, policy: Policy, *, max_new_tokens: int = 64,
             tier: int = 2, top_k: int = 16, speculative: int | None = None, seed: int = 0,
-            embeddings: bool = True) -> Comparison:
+            embeddings: bool = True, prune: PruneSchedule | None = None, attention_topk: int | None = None,
+            layers: str | None = None, min_score: float = 0.0) -> Comparison:
     """Run dense and ``policy`` on ``encoded`` and measure the difference.
 
     Fidelity is teacher-forced along the dense output: both the dense and the sparse engine runs are
-    fed the dense tokens, so every step compares distributions over the same next token.
+    fed the dense tokens, so every step compares distributions over the same next token. ``prune`` and
+    ``attention_topk`` apply to the sparse side only; ``layers`` and ``min_score`` to both traces.
     """
-    common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed)
+    common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, layers=layers, min_score=min_score)
     baseline = engine.generate(encoded, dense_policy(), **common)
-    sparse = engine.generate(encoded, policy, speculative=speculative, **common)
+    sparse = engine.generate(encoded, policy, speculative=speculative, prune=prune, attention_topk=attention_topk,
+                             **common)
     targets = baseline.output_ids
     dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=seed)
-    sparse_lp = teacher_forced_logprobs(engine, encoded, policy, targets, seed=seed)
+    sparse_lp = teacher_forced_logprobs(engine, encoded, policy, targets, seed=seed, prune=prune,
+                                        attention_topk=attention_topk)
     return Comparison(
         baseline=baseline,
         sparse=sparse,

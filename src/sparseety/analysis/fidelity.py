@@ -20,10 +20,12 @@ from sparseety.errors import InputError
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput, SparseEngine
     from sparseety.policies import Policy
+    from sparseety.policies.prune import PruneSchedule
 
 
 def teacher_forced_logprobs(engine: SparseEngine, encoded: EncodedInput, policy: Policy,
-                            target_ids: Sequence[int], *, seed: int = 0) -> torch.Tensor:
+                            target_ids: Sequence[int], *, seed: int = 0, prune: PruneSchedule | None = None,
+                            attention_topk: int | None = None) -> torch.Tensor:
     """Log-probabilities that predict each target token under ``policy``, the targets fed one at a time.
 
     Parameters
@@ -32,6 +34,7 @@ def teacher_forced_logprobs(engine: SparseEngine, encoded: EncodedInput, policy:
     encoded : the prompt, or context plus question (``compress_len`` set).
     policy : KV policy with its budget resolved.
     target_ids : ``[steps]`` the tokens to force (the dense output).
+    prune, attention_topk : token pruning and top-k attention applied with the policy, as in ``generate``.
 
     Returns
     -------
@@ -43,7 +46,7 @@ def teacher_forced_logprobs(engine: SparseEngine, encoded: EncodedInput, policy:
         raise InputError("teacher forcing needs at least one target token")
     ids = encoded.input_ids
     rows: list[torch.Tensor] = []
-    with engine.open_run(encoded, policy, tier=1, seed=seed) as ctx:
+    with engine.open_run(encoded, policy, tier=1, seed=seed, prune=prune, attention_topk=attention_topk) as ctx:
         start = 0
         if encoded.compress_len is not None:
             ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward

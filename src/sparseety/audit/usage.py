@@ -108,8 +108,12 @@ def local_completion_tokens(tokenizer: Any, text: str, finish_reason: str | None
     return _plain(tokenizer, text, special=False) + (1 if finish_reason == "stop" else 0)
 
 
-def explain_prompt(tokenizer: Any, request: AuditRequest, server: int) -> str | None:
-    """The likeliest reason the server's prompt count differs from the local one (None when they agree)."""
+def explain_prompt(tokenizer: Any, request: AuditRequest, server: int, vocabulary_agrees: bool = False) -> str | None:
+    """The likeliest reason the server's prompt count differs from the local one (None when they agree).
+
+    ``vocabulary_agrees``: some plain (completion) prompt of the same audit counted the same on both
+    sides, so a chat disagreement no variant explains lies in the template, not the vocabulary.
+    """
     local = local_prompt_tokens(tokenizer, request)
     if server == local:
         return None
@@ -138,6 +142,9 @@ def explain_prompt(tokenizer: Any, request: AuditRequest, server: int) -> str | 
     for cause, count in variants:
         if count == server:
             return cause
+    if request.kind == "chat" and vocabulary_agrees:
+        return (f"chat template differs: plain prompts count the same on both sides, but the server's template "
+                f"gives {server} tokens where the local one gives {local}")
     return (f"tokenizer vocabulary differs: no template or special-token variant of the local tokenizer "
             f"(vocabulary {len(tokenizer)}) gives the server's {server} (local {local})")
 
@@ -162,7 +169,7 @@ def audit(client: Any, model: str, requests: list[AuditRequest], tokenizer: Any)
     """Send each request through an ``openai.OpenAI`` client and check its usage block."""
     import openai
 
-    checks = []
+    answers = []
     for request in requests:
         body = dict(request.body)
         body.setdefault("max_tokens", 16)
@@ -179,16 +186,20 @@ def audit(client: Any, model: str, requests: list[AuditRequest], tokenizer: Any)
             raise InputError(f"cannot reach the server at {client.base_url}: {exc}") from None
         except openai.APIStatusError as exc:
             raise InputError(f"line {request.line}: the server answered {exc.status_code}: {exc.message}") from None
-        usage = response.usage
-        if usage is None:
+        if response.usage is None:
             raise InputError(f"line {request.line}: the server's response has no usage block")
+        answers.append((request, response.usage, text, finish))
+    vocabulary_agrees = any(request.kind == "completion" and usage.prompt_tokens == local_prompt_tokens(tokenizer, request)
+                            for request, usage, _, _ in answers)
+    checks = []
+    for request, usage, text, finish in answers:
         checks.append(UsageCheck(
             line=request.line, kind=request.kind,
             server_prompt=usage.prompt_tokens, local_prompt=local_prompt_tokens(tokenizer, request),
             server_completion=usage.completion_tokens,
             local_completion=local_completion_tokens(tokenizer, text, finish),
             finish_reason=finish,
-            prompt_cause=explain_prompt(tokenizer, request, usage.prompt_tokens),
+            prompt_cause=explain_prompt(tokenizer, request, usage.prompt_tokens, vocabulary_agrees),
             completion_cause=explain_completion(tokenizer, text, finish, usage.completion_tokens),
         ))
     return checks

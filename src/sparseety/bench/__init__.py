@@ -1,7 +1,19 @@
 """Benchmarks of sparse policies: passkey retrieval from real license text."""
 
-from sparseety.bench.passkey import QUESTION, PasskeyCase, is_correct, make_case, make_cases, tokenizer_counter
-from sparseety.bench.passkey_run import PasskeyReport, PasskeyResult, answer_case, run_passkey
+from sparseety.bench.passkey import (
+    QUESTION,
+    PasskeyCase,
+    is_correct,
+    make_case,
+    make_cases,
+    tokenizer_counter,
+)
+from sparseety.bench.passkey_run import (
+    PasskeyReport,
+    PasskeyResult,
+    answer_case,
+    run_passkey,
+)
 
 __all__ = [
     "QUESTION",

@@ -13,6 +13,7 @@ from rich.table import Table
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.lists import parse_list
 from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.run_file import with_run_file
 
 if TYPE_CHECKING:
     from sparseety.bench import PasskeyResult
@@ -23,7 +24,10 @@ app.add_typer(bench_app, name="bench")
 
 @bench_app.command("passkey")
 @user_errors
+@with_run_file
 def passkey_cmd(
+    ctx: typer.Context,
+    config: Path | None = typer.Option(None, "--config", help="Run configuration YAML (see examples/run.yaml); flags override it."),
     policies: str = typer.Option("streaming,snapkv", "--policies", help="Comma-separated policies."),
     ratios: str = typer.Option("0.25,0.5,0.75", "--ratios", help="Comma-separated compression ratios in [0, 1)."),
     lengths: str = typer.Option("1000,2000", "--lengths", help="Comma-separated context lengths in tokens."),

@@ -14,6 +14,7 @@ from rich.table import Table
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.run_inputs import RunInputs
+from sparseety.run_file import with_run_file
 
 if TYPE_CHECKING:
     from sparseety.analysis.compare import Comparison
@@ -21,7 +22,10 @@ if TYPE_CHECKING:
 
 @app.command("compare")
 @user_errors
+@with_run_file
 def compare_cmd(
+    ctx: typer.Context,
+    config: Path | None = opt.CONFIG_OPT,
     model: str = opt.MODEL_OPT,
     prompt: str | None = opt.PROMPT_OPT,
     prompt_file: Path | None = opt.PROMPT_FILE_OPT,
@@ -35,20 +39,28 @@ def compare_cmd(
     max_new_tokens: int = opt.MAX_NEW_TOKENS_OPT,
     tier: int = opt.TIER_OPT,
     top_k: int = opt.TOP_K_OPT,
+    min_score: float = opt.MIN_SCORE_OPT,
     speculative: int | None = opt.SPECULATIVE_OPT,
+    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
+    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
+    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
+    layers: str = opt.LAYERS_OPT,
     trace_dir: Path = opt.TRACE_DIR_OPT,
     seed: int = opt.SEED_OPT,
     as_json: bool = opt.JSON_OPT,
     report: bool = typer.Option(True, "--report/--no-report", help="Write an HTML report of the sparse run."),
 ) -> None:
-    """Run the dense baseline and the sparse policy; report the token diff, teacher-forced fidelity and quality."""
+    """Run the dense baseline and the sparse policy; report the token diff, teacher-forced fidelity and quality.
+
+    Token pruning (``--prune-schedule``) and ``--attention-topk`` apply to the sparse side only.
+    """
     from sparseety.analysis.compare import compare
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
     from sparseety.store import load_trace, write_trace
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
-                       tier, top_k)
+                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score)
     inputs.check()
     sources = inputs.read_sources()
     lm, tokenizer = load_model(model)
@@ -56,7 +68,7 @@ def compare_cmd(
     kv_policy = inputs.policy_for(encoded)
     engine = SparseEngine(lm, tokenizer, model)
     result = compare(engine, encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-                     speculative=speculative, seed=seed)
+                     speculative=speculative, seed=seed, **inputs.engine_options(engine.num_layers))
     report_path = None
     if tier >= 1:
         write_trace(result.baseline, trace_dir)

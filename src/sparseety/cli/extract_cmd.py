@@ -16,7 +16,12 @@ from rich.table import Table
 from sparseety.cli.app import app, fail, user_errors
 from sparseety.config import ExtractionConfig
 from sparseety.errors import ModelLoadError, RecordError, SparseetyError
-from sparseety.extract import ExtractionResult, OfflineRecord, extract_detailed, read_records
+from sparseety.extract import (
+    ExtractionResult,
+    OfflineRecord,
+    extract_detailed,
+    read_records,
+)
 from sparseety.models import DEFAULT_MODEL
 
 PERCENTILES = (25, 50, 75, 90)

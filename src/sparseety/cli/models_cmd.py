@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import typer
 from rich.console import Console
 from rich.table import Table
-import typer
 
 from sparseety.cli.app import app
 from sparseety.models import list_models

@@ -22,8 +22,8 @@ def report(
     with token details on hover, eviction timeline per layer, kept fraction per layer, top tokens, and the
     compare / MoE / draft / pruning / passkey / tune sections the source has."""
     from sparseety.report.html import render_view
-    from sparseety.report.write import default_report_path, report_view, write_html
     from sparseety.report.plots import save_figures
+    from sparseety.report.write import default_report_path, report_view, write_html
 
     view, stored, json_source = report_view(trace, layer=layer, request_id=request_id)
     target = out if out is not None else default_report_path(stored, json_source)

@@ -14,13 +14,17 @@ from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.run_inputs import RunInputs, read_text
 from sparseety.errors import InputError
+from sparseety.run_file import with_run_file
 
-__all__ = ["run", "read_text"]
+__all__ = ["read_text", "run"]
 
 
 @app.command("run")
 @user_errors
+@with_run_file
 def run(
+    ctx: typer.Context,
+    config: Path | None = opt.CONFIG_OPT,
     model: str = opt.MODEL_OPT,
     prompt: str | None = opt.PROMPT_OPT,
     prompt_file: Path | None = opt.PROMPT_FILE_OPT,
@@ -34,44 +38,35 @@ def run(
     max_new_tokens: int = opt.MAX_NEW_TOKENS_OPT,
     tier: int = opt.TIER_OPT,
     top_k: int = opt.TOP_K_OPT,
+    min_score: float = opt.MIN_SCORE_OPT,
     speculative: int | None = opt.SPECULATIVE_OPT,
+    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
+    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
+    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
+    layers: str = opt.LAYERS_OPT,
     trace_dir: Path = opt.TRACE_DIR_OPT,
     seed: int = opt.SEED_OPT,
     as_json: bool = opt.JSON_OPT,
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the HTML report next to the trace."),
-    prune_schedule: str | None = typer.Option(
-        None, "--prune-schedule",
-        help="Token pruning, layer:fraction pairs: 8:0.3,16:0.5 drops 0.3 of the prompt tokens after layer 8, "
-             "then 0.5 of those left after layer 16."),
-    prune_opt: list[str] = typer.Option([], "--prune-opt", help="Pruning option key=value: keep_recent, sinks, window."),
-    layers: str = typer.Option("all", "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29."),
     redact: bool = typer.Option(False, "--redact", help="Replace emails, phones, IPs, cards and API keys in stored text."),
     ids_only: bool = typer.Option(False, "--ids-only", help="Store token ids and no text at all."),
     sample_rate: float = typer.Option(
         1.0, "--sample-rate", help="Fraction of request ids traced at --tier (by a stable hash); the rest at tier 1."),
     force_trace: bool = typer.Option(False, "--force-trace", help="Trace this request at tier 3 whatever the sample."),
+    jsonl: Path | None = typer.Option(None, "--jsonl", help="Also append this run's stored rows to FILE as JSONL."),
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
+    import uuid
+
     from sparseety.cli.summary import print_summary
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
-    from sparseety.store import write_trace
+    from sparseety.store import load_trace, trace_tier, write_trace
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
-                       tier, top_k)
+                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score)
     inputs.check()
-    from sparseety.engine.layers import parse_layers
-    from sparseety.policies.prune import parse_prune_opts, parse_prune_schedule
-
-    if prune_opt and prune_schedule is None:
-        raise InputError("--prune-opt needs --prune-schedule")
-    schedule = parse_prune_schedule(prune_schedule, parse_prune_opts(prune_opt)) if prune_schedule is not None else None
-    selection = parse_layers(layers)
-    import uuid
-
-    from sparseety.store import trace_tier
-
     request_id = uuid.uuid4().hex  # decided first: the sample and the forced tier depend on it
     tier = trace_tier(request_id, sample_rate, tier=tier, force=force_trace)
     sources = inputs.read_sources()
@@ -86,18 +81,20 @@ def run(
         task = progress.add_task(f"prefill {encoded.input_len} tokens", total=engine.num_layers)
         result = engine.generate(
             encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-            speculative=speculative, seed=seed, prune=schedule, layers=selection, request_id=request_id,
+            speculative=speculative, seed=seed, request_id=request_id,
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
+            **inputs.engine_options(engine.num_layers),
         )
+    report_path = None
     if tier >= 1:
         result.trace_path = str(write_trace(result, trace_dir, redact=redact, ids_only=ids_only,
                                             sample_rate=sample_rate))
-    report_path = None
-    if tier >= 1 and not no_report:
-        from sparseety.report import write_report
-        from sparseety.store import load_trace
+        if jsonl is not None:
+            append_jsonl(trace_dir, result.request_id, Path(jsonl))
+        if not no_report:
+            from sparseety.report import write_report
 
-        report_path = write_report(load_trace(trace_dir, result.request_id))
+            report_path = write_report(load_trace(trace_dir, result.request_id))
     if as_json:
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         if report_path is not None:
@@ -108,3 +105,14 @@ def run(
     print_summary(result, console)
     if report_path is not None:
         console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
+
+
+def append_jsonl(trace_dir: Path, request_id: str, path: Path) -> None:
+    """Append every stored row of one request to ``path`` (the config file's ``logging.output_file``)."""
+    from sparseety.store.export import export_jsonl
+
+    try:
+        with path.open("a", encoding="utf-8") as out:
+            export_jsonl(trace_dir, out, request_id=request_id)
+    except OSError as exc:
+        raise InputError(f"cannot write --jsonl {path}: {exc}") from None

@@ -19,6 +19,7 @@ from sparseety.models.registry import DEFAULT_MODEL
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput
     from sparseety.policies import Policy
+    from sparseety.policies.prune import PruneSchedule
 
 MODEL_OPT = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id.")
 PROMPT_OPT = typer.Option(None, "--prompt", help="Prompt text.")
@@ -37,6 +38,16 @@ SPECULATIVE_OPT = typer.Option(None, "--speculative", help="Draft N tokens per s
 TRACE_DIR_OPT = typer.Option(Path("traces"), "--trace-dir", help="Where traces are written.")
 SEED_OPT = typer.Option(0, "--seed", help="Seed for seeded policies.")
 JSON_OPT = typer.Option(False, "--json", help="Print exactly one JSON object.")
+CONFIG_OPT = typer.Option(None, "--config", help="Run configuration YAML (see examples/run.yaml); flags override it.")
+PRUNE_SCHEDULE_OPT = typer.Option(
+    None, "--prune-schedule",
+    help="Token pruning, layer:fraction pairs: 8:0.3,16:0.5 drops 0.3 of the prompt tokens after layer 8, "
+         "then 0.5 of those left after layer 16; 'default' = 0.3 at a quarter of the depth, 0.5 at half.")
+PRUNE_OPT_OPT = typer.Option([], "--prune-opt", help="Pruning option key=value: keep_recent, sinks, window.")
+LAYERS_OPT = typer.Option("all", "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29.")
+ATTENTION_TOPK_OPT = typer.Option(
+    None, "--attention-topk", help="While decoding, attend only to the k highest-scoring held slots (any policy).")
+MIN_SCORE_OPT = typer.Option(0.0, "--min-score", help="Drop important tokens scoring below this share of the top one.")
 
 
 def read_text(path: Path, what: str) -> str:
@@ -66,6 +77,11 @@ class RunInputs:
     policy_opt: list[str] = field(default_factory=list)
     tier: int = 2
     top_k: int = 16
+    prune_schedule: str | None = None
+    prune_opt: list[str] = field(default_factory=list)
+    layers: str = "all"
+    attention_topk: int | None = None
+    min_score: float = 0.0
     options: dict[str, Any] = field(default_factory=dict, init=False)
 
     def check(self, *, need_source: bool = True) -> None:
@@ -82,6 +98,7 @@ class RunInputs:
         if self.top_k <= 0:
             raise InputError(f"--top-k must be positive, got {self.top_k}")
         self.options = parse_policy_opts(self.policy_opt)
+        self._check_sparsity_extras()
         # A ratio is checked against a large context; the real budget comes from the encoded input.
         build_policy(self.policy, resolve_budget(self.budget, self.ratio, 1 << 20), self.options)
 
@@ -111,3 +128,35 @@ class RunInputs:
             budget, ratio = self.budget, self.ratio
         resolved = resolve_budget(budget, ratio, encoded.compress_len or encoded.input_len)
         return build_policy(name or self.policy, resolved, self.options)
+
+    def _check_sparsity_extras(self) -> None:
+        from sparseety.engine.layers import parse_layers
+        from sparseety.policies.prune import parse_prune_opts
+
+        if self.prune_opt and self.prune_schedule is None:
+            raise InputError("--prune-opt needs --prune-schedule")
+        if self.prune_schedule is not None:
+            self.prune_for(30 if self.prune_schedule == "default" else None)
+        parse_prune_opts(self.prune_opt)
+        parse_layers(self.layers)
+        if self.attention_topk is not None and self.attention_topk <= 0:
+            raise InputError(f"--attention-topk must be a positive number of slots, got {self.attention_topk}")
+        if not 0.0 <= self.min_score < 1.0:
+            raise InputError(f"--min-score must be in [0, 1), got {self.min_score}")
+
+    def prune_for(self, num_layers: int | None) -> PruneSchedule | None:
+        """The pruning schedule; ``default`` is resolved against the model's depth."""
+        from sparseety.policies.prune import parse_prune_opts, parse_prune_schedule
+        from sparseety.run_file import default_prune_schedule
+
+        if self.prune_schedule is None:
+            return None
+        text = self.prune_schedule
+        if text.strip().lower() == "default":
+            text = default_prune_schedule(num_layers or 30)
+        return parse_prune_schedule(text, parse_prune_opts(self.prune_opt))
+
+    def engine_options(self, num_layers: int) -> dict[str, Any]:
+        """Keyword arguments of ``SparseEngine.generate`` these flags set beside the policy."""
+        return {"prune": self.prune_for(num_layers), "layers": self.layers, "attention_topk": self.attention_topk,
+                "min_score": self.min_score}

@@ -9,11 +9,15 @@ import typer
 
 from sparseety.cli.app import app, user_errors
 from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.run_file import with_run_file
 
 
 @app.command("serve")
 @user_errors
+@with_run_file
 def serve(
+    ctx: typer.Context,
+    config: Path | None = typer.Option(None, "--config", help="Run configuration YAML (see examples/run.yaml); flags override it."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
@@ -47,7 +51,7 @@ def serve(
     if trace_dir is None and (sample_rate is not None or redact or ids_only):
         raise ConfigError("--sample-rate, --redact and --ids-only apply to stored traces: give --trace-dir too")
 
-    config = ServeConfig(
+    serve_config = ServeConfig(
         model=model, host=host, port=port, policy=policy, budget=budget, ratio=ratio,
         policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir,
         sample_rate=0.05 if sample_rate is None else sample_rate, tier=tier,
@@ -59,7 +63,7 @@ def serve(
 
     from sparseety.serve import create_app
 
-    server_app = create_app(config)
+    server_app = create_app(serve_config)
     print(f"sparseety serve: {model} on http://{host}:{port} (policy {policy}, tracing "
           f"{'to ' + str(trace_dir) if trace_dir else 'off'})", file=sys.stderr, flush=True)
     uvicorn.run(server_app, host=host, port=port, log_level=log_level)

@@ -15,12 +15,16 @@ from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.lists import parse_list
 from sparseety.cli.run_inputs import RunInputs
+from sparseety.run_file import with_run_file
 
 
 @app.command("tune")
 @user_errors
+@with_run_file
 def tune_cmd(
-    policy: str = typer.Option(..., "--policy", help="KV policy to tune (see `sparseety policies list`)."),
+    ctx: typer.Context,
+    config: Path | None = opt.CONFIG_OPT,
+    policy: str | None = typer.Option(None, "--policy", help="KV policy to tune (see `sparseety policies list`); required."),
     metric: str = typer.Option(..., "--metric", help="top1_agreement, mean_kl or passkey."),
     threshold: float = typer.Option(..., "--threshold", help="The bar: >= for top1_agreement and passkey, <= for mean_kl."),
     model: str = opt.MODEL_OPT,
@@ -47,6 +51,8 @@ def tune_cmd(
     from sparseety.models import load_model
 
     check_metric(metric, threshold)
+    if policy is None:
+        raise InputError("give --policy (or sparsity.policy in --config): the policy whose budget is tuned")
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt)
     if max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")

@@ -75,6 +75,7 @@ class SparseEngine:
         prune: PruneSchedule | None = None,
         attention_topk: int | None = None,
         layers: str | Sequence[int] | LayerSelection | None = None,
+        min_score: float = 0.0,
     ) -> RunResult:
         """Generate greedily and record the token lifecycle.
 
@@ -92,11 +93,14 @@ class SparseEngine:
             the prompt ids first, then each step's new token ids.
         prune : token pruning of the prompt (or, in the long-document protocol, the context) forward.
         layers : layers recording importance (tier >= 2): ``"all"`` (default), ``"auto"`` or layer numbers.
+        min_score : important-token records scoring below this share of their ranking's maximum are dropped.
         attention_topk : while decoding, attend only to this many highest-scoring held slots per KV head,
             under any evicting policy (``topk_attention`` is this with no eviction).
         """
         if tier not in (0, 1, 2, 3):
             raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
+        if not 0.0 <= min_score < 1.0:
+            raise InputError(f"min_score must be in [0, 1), got {min_score}")
         if max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if speculative is not None:
@@ -130,7 +134,7 @@ class SparseEngine:
                 streamer=streamer,
                 **kwargs,
             )
-        return self._result(ctx, encoded, sequences, policy, tier, top_k, request_id)
+        return self._result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
 
     @contextlib.contextmanager
     def open_run(
@@ -185,7 +189,7 @@ class SparseEngine:
             raise InputError(f"speculative ({speculative}) must be smaller than the smallest layer budget ({smallest})")
 
     def _result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
-                tier: int, top_k: int, request_id: str | None) -> RunResult:
+                tier: int, top_k: int, request_id: str | None, min_score: float = 0.0) -> RunResult:
         prompt_ids = encoded.input_ids[0].tolist()
         output_ids = sequences[0, encoded.input_len:].tolist()
         token_ids = np.asarray(prompt_ids + output_ids, dtype=np.int64)
@@ -215,7 +219,7 @@ class SparseEngine:
                 arrays["importance"] = importance.numpy().astype(np.float16)
                 special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
                 records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special,
-                                           layers=recorded)
+                                           layers=recorded, min_score=min_score)
             probes = ctx.probes
             if probes is not None:
                 realign = ctx.prune.expand if ctx.prune is not None else (lambda _layer, values: values)

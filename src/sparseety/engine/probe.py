@@ -77,7 +77,7 @@ def attach_probe_hooks(model: torch.nn.Module, probes_of_active_run: Callable[[]
     return count
 
 
-def _router_hook(layer: int, probes: Callable[[], ModuleProbes | None]):  # noqa: ANN202
+def _router_hook(layer: int, probes: Callable[[], ModuleProbes | None]):
     def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
         collector = probes()
         if collector is not None:
@@ -85,7 +85,7 @@ def _router_hook(layer: int, probes: Callable[[], ModuleProbes | None]):  # noqa
     return hook
 
 
-def _activation_hook(layer: int, probes: Callable[[], ModuleProbes | None]):  # noqa: ANN202
+def _activation_hook(layer: int, probes: Callable[[], ModuleProbes | None]):
     def hook(module: torch.nn.Module, args: tuple) -> None:
         collector = probes()
         if collector is not None:

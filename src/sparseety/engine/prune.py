@@ -187,7 +187,7 @@ def install_layer_hooks(model: torch.nn.Module, active_prune: Callable[[], tuple
     setattr(model, _HOOKED, True)
 
 
-def _layer_hook(index: int, active_prune: Callable[[], tuple[PruneRun, Any] | None]):  # noqa: ANN202
+def _layer_hook(index: int, active_prune: Callable[[], tuple[PruneRun, Any] | None]):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         found = active_prune()
         if found is None:

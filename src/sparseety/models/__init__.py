@@ -1,5 +1,11 @@
 """Model loading: built-in names, local directories and Hugging Face ids."""
 
-from sparseety.models.registry import DEFAULT_MODEL, BuiltinModel, list_models, load_model, load_tokenizer
+from sparseety.models.registry import (
+    DEFAULT_MODEL,
+    BuiltinModel,
+    list_models,
+    load_model,
+    load_tokenizer,
+)
 
 __all__ = ["DEFAULT_MODEL", "BuiltinModel", "list_models", "load_model", "load_tokenizer"]

@@ -101,7 +101,6 @@ def load_model(
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep stdout/stderr clean for the CLI and --json
@@ -117,11 +116,12 @@ def load_model(
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
-    """Load only the tokenizer of a built-in name, a local directory or a Hugging Face id."""
+    """Load only the tokenizer of a built-in name, a local (model or tokenizer-only) directory or a Hugging Face id."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+        source = name_or_path if Path(name_or_path).is_dir() else resolve_model_dir(name_or_path)
+        return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {exc}") from exc
 

@@ -11,6 +11,14 @@ from sparseety.policies.registry import (
 )
 
 __all__ = [
-    "Observation", "Policy", "Signal", "select_keep", "build_policy", "get_policy_class",
-    "list_policies", "parse_policy_opts", "policy_options", "resolve_budget",
+    "Observation",
+    "Policy",
+    "Signal",
+    "build_policy",
+    "get_policy_class",
+    "list_policies",
+    "parse_policy_opts",
+    "policy_options",
+    "resolve_budget",
+    "select_keep",
 ]

@@ -9,7 +9,13 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import (
-    Observation, Policy, Signal, accumulated, check_positive_int, protect, recent_mask,
+    Observation,
+    Policy,
+    Signal,
+    accumulated,
+    check_positive_int,
+    protect,
+    recent_mask,
 )
 
 

@@ -98,13 +98,9 @@ class PruneSchedule:
 
 def parse_prune_opts(items: list[str]) -> dict[str, str]:
     """Parse repeated ``--prune-opt key=value`` strings."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--prune-opt expects key=value, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
+    from sparseety.policies.registry import parse_policy_opts
+
+    return parse_policy_opts(items, flag="--prune-opt")
 
 
 def parse_prune_schedule(text: str, options: dict[str, Any] | None = None) -> PruneSchedule:

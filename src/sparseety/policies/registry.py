@@ -58,13 +58,13 @@ def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
         raise ConfigError(f"{policy}: option {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def parse_policy_opts(items: list[str]) -> dict[str, str]:
-    """Parse repeated ``key=value`` strings."""
+def parse_policy_opts(items: list[str], flag: str = "--policy-opt") -> dict[str, str]:
+    """Parse repeated ``key=value`` strings given with ``flag``."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--policy-opt expects key=value, got {item!r}")
+            raise ConfigError(f"{flag} expects key=value, got {item!r}")
         out[key.strip()] = value.strip()
     return out
 

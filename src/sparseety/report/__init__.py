@@ -5,6 +5,11 @@
 """
 
 from sparseety.report.html import render_html, render_view
-from sparseety.report.write import default_report_path, report_view, write_pngs, write_report
+from sparseety.report.write import (
+    default_report_path,
+    report_view,
+    write_pngs,
+    write_report,
+)
 
-__all__ = ["render_html", "render_view", "write_report", "write_pngs", "report_view", "default_report_path"]
+__all__ = ["default_report_path", "render_html", "render_view", "report_view", "write_pngs", "write_report"]

@@ -38,14 +38,25 @@ from sparseety.serve.auth import check_key, check_trace_access
 from sparseety.serve.config import ServeConfig
 from sparseety.serve.errors import APIError, error_body, install_error_handlers
 from sparseety.serve.execution import (
-    Outcome, eos_ids, execute, response_body, stream_chunk, usage_chunk,
+    Outcome,
+    eos_ids,
+    execute,
+    response_body,
+    stream_chunk,
+    usage_chunk,
 )
 from sparseety.serve.limits import BodySizeLimit
 from sparseety.serve.metrics import ServeMetrics
 from sparseety.serve.planning import Plan, check_request_id, plan_request
 from sparseety.serve.scheduler import QueueFull, Scheduler
 from sparseety.serve.schemas import (
-    ERROR_RESPONSES, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList,
+    ERROR_RESPONSES,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
     TraceList,
 )
 from sparseety.serve.streaming import TokenStreamer

@@ -64,7 +64,9 @@ def genai_attributes(result: RunResult, *, operation: str, request_model: str, f
 def _span_exporter(endpoint: str) -> Any:
     """A tracer provider exporting over OTLP/HTTP; a clear error when the SDK is not installed."""
     try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -255,7 +255,7 @@ class TraceWriter:
                 sampled=should_sample(item.result.request_id, rate), extra=item.extra,
                 created_at=datetime.fromtimestamp(item.created, UTC),
             )
-        except Exception as exc:  # noqa: BLE001 -- a bad record is counted, never kills the thread
+        except Exception as exc:
             self._fail(1, exc)
             return
         if not self._pending:
@@ -269,7 +269,7 @@ class TraceWriter:
             return
         try:
             commit = commit_rows(self.root, batch, compression=self.compression)
-        except Exception as exc:  # noqa: BLE001 -- a failed commit is counted, the thread goes on
+        except Exception as exc:
             self._fail(len(batch), exc)
             return
         requests = [p for p in commit.files if p.parent.parent.name == "requests"]
@@ -284,7 +284,7 @@ class TraceWriter:
         if self.on_commit is not None:
             try:
                 self.on_commit(commit)
-            except Exception as exc:  # noqa: BLE001 -- a failing callback must not stop the writer
+            except Exception as exc:
                 self._record_error(exc)
 
     def _fail(self, count: int, exc: BaseException) -> None:
