@@ -50,7 +50,8 @@ def direct(engine, text, chat, policy, max_tokens):
 def sparsity_of(result) -> dict:
     return {"policy": result.policy, "evicted_positions": result.evicted_positions,
             "eviction_events": result.eviction_events, "kv_cache_bytes_peak": result.kv_cache_bytes_peak,
-            "kv_cache_bytes_dense": result.kv_cache_bytes_dense, "draft_rejected": result.draft_rejected}
+            "kv_cache_bytes_dense": result.kv_cache_bytes_dense, "draft_rejected": result.draft_rejected,
+            "pruned_tokens": result.pruned_tokens}
 
 
 def test_chat_completion_matches_the_engine_with_the_server_policy(client, engine):
@@ -432,3 +433,20 @@ def test_spans_reach_an_otlp_endpoint(engine):
     assert [v.string_value for v in attributes["gen_ai.response.finish_reasons"].array_value.values] == ["length"]
     assert attributes["sparseety.policy"].string_value == "dense"
     assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano
+
+
+def test_a_pruning_server_reports_pruned_tokens_and_matches_the_engine(engine):
+    """``--prune-schedule`` and ``--attention-topk`` apply to every request; usage counts the pruned tokens."""
+    from sparseety.policies import build_policy
+    from sparseety.policies.prune import parse_prune_schedule
+
+    prompt = "Repeat after me, slowly and clearly: the quick brown fox jumps over the lazy dog near the river bank."
+    with live_server(engine, policy="streaming", budget=BUDGET, prune_schedule="8:0.5", attention_topk=12) as srv:
+        reply = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4)
+    expected = engine.generate(encode_prompt(engine.tokenizer, prompt, False), build_policy("streaming", BUDGET),
+                               max_new_tokens=4, tier=1, prune=parse_prune_schedule("8:0.5"), attention_topk=12)
+    usage = reply.usage.model_dump()
+    assert usage["sparsity"]["pruned_tokens"] == expected.pruned_tokens > 0
+    assert usage["completion_tokens"] == len(expected.output_ids)
+    assert reply.choices[0].text == expected.text

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.models.registry import DEFAULT_MODEL
 from sparseety.run_file import with_run_file
@@ -42,6 +43,10 @@ def serve(
     otlp_endpoint: str | None = typer.Option(None, "--otlp-endpoint", help="Export spans over OTLP/HTTP (needs "
                                              "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
+    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
+    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
+    layers: str = opt.LAYERS_OPT,
 ) -> None:
     """Serve a model behind the OpenAI API with a sparse KV policy, Prometheus /metrics and sampled tracing."""
     from sparseety.errors import ConfigError
@@ -57,7 +62,8 @@ def serve(
         sample_rate=0.05 if sample_rate is None else sample_rate, tier=tier,
         top_k=top_k, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, redact=redact, ids_only=ids_only,
-        otlp_endpoint=otlp_endpoint,
+        otlp_endpoint=otlp_endpoint, prune_schedule=prune_schedule,
+        prune_opts=parse_policy_opts(prune_opt, flag="--prune-opt"), attention_topk=attention_topk, layers=layers,
     )
     import uvicorn
 

@@ -77,6 +77,7 @@ class ServerState:
     metrics: ServeMetrics
     eos: frozenset[int]
     created: int
+    engine_options: dict[str, Any]
 
 
 def _jsonable(value: Any) -> Any:
@@ -111,7 +112,8 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
     scheduler = Scheduler(config.max_concurrency, config.queue_capacity)
     metrics = ServeMetrics(lambda: scheduler.running, lambda: scheduler.waiting,
                            tracer.stats if tracer.enabled else None)
-    state = ServerState(config, engine, scheduler, tracer, metrics, eos_ids(engine), int(time.time()))
+    state = ServerState(config, engine, scheduler, tracer, metrics, eos_ids(engine), int(time.time()),
+                        config.engine_options(engine.num_layers))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -211,7 +213,7 @@ async def _generate(state: ServerState, body: ChatCompletionRequest | Completion
     headers = {"X-Request-Id": request_id}
     config = state.config
     job = functools.partial(execute, plan, state.engine, tracer=state.tracer, metrics=state.metrics,
-                            top_k=config.top_k, eos=state.eos)
+                            top_k=config.top_k, eos=state.eos, options=state.engine_options)
     if not body.stream:
         try:
             outcome = await state.scheduler.run(functools.partial(job, streamer=TokenStreamer(state.engine.tokenizer)))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from sparseety.config import ValidatedConfig
 from sparseety.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from sparseety.policies.prune import PruneSchedule
 
 
 class ServeConfig(ValidatedConfig):
@@ -31,6 +34,9 @@ class ServeConfig(ValidatedConfig):
     redact, ids_only : privacy of stored traces (see :mod:`sparseety.store`).
     trace_queue_size : records the trace writer buffers before it drops (and counts) new ones.
     otlp_endpoint : OTLP/HTTP endpoint spans are exported to (needs the OpenTelemetry SDK).
+    prune_schedule, prune_opts : token pruning of every prompt (``"8:0.3,16:0.5"``, or ``default``).
+    attention_topk : decode attends only to this many highest-scoring held slots, under any policy.
+    layers : layers recording important tokens in traces: ``all``, ``auto`` or ``"0,15,29"``.
     """
 
     model: str = DEFAULT_MODEL
@@ -53,6 +59,10 @@ class ServeConfig(ValidatedConfig):
     ids_only: StrictBool = False
     trace_queue_size: StrictInt = Field(1024, ge=1)
     otlp_endpoint: str | None = None
+    prune_schedule: str | None = None
+    prune_opts: dict[str, str] = Field(default_factory=dict)
+    attention_topk: StrictInt | None = Field(None, gt=0)
+    layers: str = "all"
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -60,7 +70,32 @@ class ServeConfig(ValidatedConfig):
             raise ValueError("give either budget or ratio, not both")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty")
+        if self.prune_opts and self.prune_schedule is None:
+            raise ValueError("prune_opts need a prune_schedule")
+        from sparseety.engine.layers import parse_layers
+
+        parse_layers(self.layers)
+        self.prune_for(30)  # the schedule's syntax; its layers are checked against the model at start-up
         return self
+
+    def prune_for(self, num_layers: int) -> PruneSchedule | None:
+        """The pruning schedule (``default`` resolved against the model's depth), or None."""
+        from sparseety.policies.prune import parse_prune_schedule
+        from sparseety.run_file import default_prune_schedule
+
+        if self.prune_schedule is None:
+            return None
+        text = self.prune_schedule
+        if text.strip().lower() == "default":
+            text = default_prune_schedule(num_layers)
+        return parse_prune_schedule(text, dict(self.prune_opts))
+
+    def engine_options(self, num_layers: int) -> dict[str, Any]:
+        """Keyword arguments of ``SparseEngine.generate`` set for every request beside the policy."""
+        schedule = self.prune_for(num_layers)
+        if schedule is not None:
+            schedule.check_layers(num_layers)
+        return {"prune": schedule, "attention_topk": self.attention_topk, "layers": self.layers}
 
     @property
     def queue_capacity(self) -> int:

@@ -40,13 +40,14 @@ def finish_reason(result: RunResult, max_tokens: int, eos: frozenset[int]) -> st
 
 
 def execute(plan: Plan, engine: SparseEngine, streamer: TokenStreamer, tracer: Tracer, metrics: ServeMetrics,
-            *, top_k: int, eos: frozenset[int]) -> Outcome:
+            *, top_k: int, eos: frozenset[int], options: dict[str, Any] | None = None) -> Outcome:
     """Generate ``plan`` on this (worker) thread, then record metrics and hand the result to the store
     (with a trace directory: every request at tier 1 at least, the sampled and forced at their tier)."""
     started = time.perf_counter()
     try:
         result = engine.generate(plan.encoded, plan.policy, max_new_tokens=plan.max_tokens, tier=plan.decision.tier,
-                                 top_k=top_k, seed=plan.seed, request_id=plan.request_id, streamer=streamer)
+                                 top_k=top_k, seed=plan.seed, request_id=plan.request_id, streamer=streamer,
+                                 **(options or {}))
     except GenerationCancelled:
         metrics.request_aborted.labels("client_disconnected").inc()
         raise
@@ -93,6 +94,7 @@ def usage(result: RunResult) -> dict[str, Any]:
             "kv_cache_bytes_peak": result.kv_cache_bytes_peak,
             "kv_cache_bytes_dense": result.kv_cache_bytes_dense,
             "draft_rejected": result.draft_rejected,
+            "pruned_tokens": result.pruned_tokens,
         },
     }
 

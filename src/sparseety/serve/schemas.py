@@ -105,6 +105,7 @@ class SparsityUsage(BaseModel):
     kv_cache_bytes_peak: int
     kv_cache_bytes_dense: int
     draft_rejected: int
+    pruned_tokens: int | None = None
 
 
 class Usage(BaseModel):
