@@ -87,3 +87,27 @@ def test_tune_passkey_searches_accuracy_over_the_cases(tiny_engine, one_thread):
     never = tune_passkey(tiny_engine, cases, "streaming", 0.5, max_new_tokens=3, min_budget=8, max_budget=40, step=8)
     assert never.answer is None
     assert [(p.budget, p.value, p.meets) for p in never.curve] == [(40, 0.0, False)]
+
+
+def test_tune_fidelity_measures_pruning_beside_the_policy(tiny_engine, one_thread):
+    """With ``prune`` in ``engine_options`` the curve is the fidelity of policy plus pruning, evaluated
+    independently here at the largest budget (where the policy evicts nothing and only pruning differs)."""
+    from sparseety.analysis.compare import dense_policy
+    from sparseety.analysis.fidelity import fidelity, teacher_forced_logprobs
+    from sparseety.analysis.tune import tune_fidelity
+    from sparseety.engine import EncodedInput
+    from sparseety.policies import build_policy
+    from sparseety.policies.prune import parse_prune_schedule
+    from tiny_models import prompt_ids
+
+    encoded = EncodedInput(prompt_ids(40, seed=3))
+    schedule = parse_prune_schedule("1:0.5", {"keep_recent": 4, "sinks": 2})
+    plain = tune_fidelity(tiny_engine, encoded, "streaming", "mean_kl", 10.0, max_new_tokens=4, min_budget=44,
+                          max_budget=44)
+    pruned = tune_fidelity(tiny_engine, encoded, "streaming", "mean_kl", 10.0, max_new_tokens=4, min_budget=44,
+                           max_budget=44, engine_options={"prune": schedule})
+    assert plain.curve[0].value == 0.0
+    targets = tiny_engine.generate(encoded, dense_policy(), max_new_tokens=4, tier=0).output_ids
+    dense_lp = teacher_forced_logprobs(tiny_engine, encoded, dense_policy(), targets)
+    pruned_lp = teacher_forced_logprobs(tiny_engine, encoded, build_policy("streaming", 44), targets, prune=schedule)
+    assert pruned.curve[0].value == fidelity(dense_lp, pruned_lp, targets).mean_kl > 0.0

@@ -125,8 +125,11 @@ def _search(policy: str, metric: str, threshold: float, evaluate: Callable[[int]
 
 def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metric: str, threshold: float, *,
                   options: dict[str, Any] | None = None, max_new_tokens: int = 64, min_budget: int | None = None,
-                  max_budget: int | None = None, step: int = 1, seed: int = 0) -> TuneResult:
+                  max_budget: int | None = None, step: int = 1, seed: int = 0,
+                  engine_options: dict[str, Any] | None = None) -> TuneResult:
     """Search the budget of ``policy`` on one input by teacher-forced ``top1_agreement`` or ``mean_kl``.
+
+    ``engine_options`` (``prune``, ``attention_topk``) apply beside the policy at every budget.
 
     The dense output is generated once; each budget costs one teacher-forced pass of the sparse policy.
     ``max_budget`` defaults to a budget that never evicts (the compressed context for the
@@ -148,7 +151,8 @@ def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metr
     dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=seed)
 
     def evaluate(budget: int) -> float:
-        sparse_lp = teacher_forced_logprobs(engine, encoded, build_policy(policy, budget, options), targets, seed=seed)
+        sparse_lp = teacher_forced_logprobs(engine, encoded, build_policy(policy, budget, options), targets, seed=seed,
+                                            **(engine_options or {}))
         return getattr(fidelity(dense_lp, sparse_lp, targets), metric)
 
     return _search(policy, metric, threshold, evaluate, lo, hi, step, context_len)
@@ -156,8 +160,10 @@ def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metr
 
 def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str, threshold: float, *,
                  options: dict[str, Any] | None = None, max_new_tokens: int = 16, min_budget: int | None = None,
-                 max_budget: int | None = None, step: int = 1, seed: int = 0, chat: bool | None = None) -> TuneResult:
-    """Search the budget of ``policy`` by passkey accuracy over ``cases`` (long-document protocol)."""
+                 max_budget: int | None = None, step: int = 1, seed: int = 0, chat: bool | None = None,
+                 engine_options: dict[str, Any] | None = None) -> TuneResult:
+    """Search the budget of ``policy`` by passkey accuracy over ``cases`` (long-document protocol);
+    ``engine_options`` (``prune``, ``attention_topk``) apply beside the policy."""
     from sparseety.bench.passkey import QUESTION, is_correct
     from sparseety.engine import encode_document
     from sparseety.policies import build_policy
@@ -176,7 +182,7 @@ def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str
         kv = build_policy(policy, budget, options)
         right = 0
         for case, enc in zip(cases, encoded):
-            out = engine.generate(enc, kv, max_new_tokens=max_new_tokens, tier=0, seed=seed)
+            out = engine.generate(enc, kv, max_new_tokens=max_new_tokens, tier=0, seed=seed, **(engine_options or {}))
             right += is_correct(case.passkey, out.text)
         return right / len(cases)
 

@@ -64,8 +64,11 @@ def _mean_by(results: Sequence[PasskeyResult], key: Callable[[PasskeyResult], st
 
 def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio: float, *,
                 options: dict[str, Any] | None = None, max_new_tokens: int = 16, chat: bool | None = None,
-                seed: int = 0) -> PasskeyResult:
-    """Ask ``QUESTION`` about ``case.context`` with the context compressed by ``policy_name`` at ``ratio``."""
+                seed: int = 0, engine_options: dict[str, Any] | None = None) -> PasskeyResult:
+    """Ask ``QUESTION`` about ``case.context`` with the context compressed by ``policy_name`` at ``ratio``.
+
+    ``engine_options`` (``prune``, ``attention_topk``) apply beside every policy but the dense sanity row.
+    """
     from sparseety.engine import encode_document
     from sparseety.policies import build_policy, resolve_budget
 
@@ -73,7 +76,8 @@ def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio
     budget = None if policy_name == DENSE else resolve_budget(None, ratio, encoded.compress_len or 0)
     policy = build_policy(policy_name, budget, options or {})
     start = time.perf_counter()
-    result = engine.generate(encoded, policy, max_new_tokens=max_new_tokens, tier=1, seed=seed)
+    extras = {} if policy_name == DENSE else (engine_options or {})
+    result = engine.generate(encoded, policy, max_new_tokens=max_new_tokens, tier=1, seed=seed, **extras)
     seconds = time.perf_counter() - start
     return PasskeyResult(
         policy=policy_name, ratio=float(ratio), length=case.length, depth=case.depth, passkey=case.passkey,
@@ -85,13 +89,15 @@ def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio
 def run_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policies: Sequence[str],
                 ratios: Sequence[float], *, model: str, seed: int = 0, max_new_tokens: int = 16,
                 chat: bool | None = None, dense: bool = True,
-                on_result: Callable[[PasskeyResult], None] | None = None) -> PasskeyReport:
+                on_result: Callable[[PasskeyResult], None] | None = None,
+                engine_options: dict[str, Any] | None = None) -> PasskeyReport:
     """Every case under dense (the sanity row, when ``dense``) and under each policy at each ratio."""
     report = PasskeyReport(model=model, seed=seed, cases=list(cases))
     plan = ([(DENSE, 0.0)] if dense else []) + [(p, r) for p in policies for r in ratios]
     for name, ratio in plan:
         for case in cases:
-            row = answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat, seed=seed)
+            row = answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
+                              engine_options=engine_options)
             report.results.append(row)
             if on_result is not None:
                 on_result(row)

@@ -10,8 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.lists import parse_list
+from sparseety.cli.run_inputs import RunInputs
 from sparseety.models.registry import DEFAULT_MODEL
 from sparseety.run_file import with_run_file
 
@@ -37,6 +39,9 @@ def passkey_cmd(
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Answer length limit."),
     chat: bool | None = typer.Option(None, "--chat/--no-chat", help="Chat template (default: on for chat models)."),
+    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
+    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
+    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
 ) -> None:
     """Hide a pass key in license text at each length and depth; ask for it with the context compressed."""
     from sparseety.bench import make_cases, run_passkey, tokenizer_counter
@@ -54,8 +59,11 @@ def passkey_cmd(
     depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
     if max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    extras = RunInputs(prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
+    extras.check(need_source=False)
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
+    engine_options = {"prune": extras.prune_for(engine.num_layers), "attention_topk": attention_topk}
     cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
     console = Console(stderr=True)
     total = len(cases) * (1 + len(names) * len(ratio_list))
@@ -69,7 +77,7 @@ def passkey_cmd(
                       f"{mark} {row.answer.strip()[:60]!r}", markup=False, highlight=False)
 
     report = run_passkey(engine, cases, names, ratio_list, model=model, seed=seed,
-                         max_new_tokens=max_new_tokens, chat=chat, on_result=progress)
+                         max_new_tokens=max_new_tokens, chat=chat, on_result=progress, engine_options=engine_options)
     document = report.to_json()
     out.mkdir(parents=True, exist_ok=True)
     (out / "passkey.json").write_text(json.dumps(document, indent=1))

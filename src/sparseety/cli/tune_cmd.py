@@ -41,6 +41,9 @@ def tune_cmd(
     lengths: str = typer.Option("1000", "--lengths", help="passkey metric: comma-separated context lengths."),
     depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="passkey metric: comma-separated needle depths."),
     seed: int = opt.SEED_OPT,
+    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
+    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
+    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
     out: Path | None = typer.Option(None, "--out", help="Write the tune JSON to this file."),
     as_json: bool = opt.JSON_OPT,
 ) -> None:
@@ -53,7 +56,8 @@ def tune_cmd(
     check_metric(metric, threshold)
     if policy is None:
         raise InputError("give --policy (or sparsity.policy in --config): the policy whose budget is tuned")
-    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt)
+    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt,
+                       prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
     if max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     for flag, value in (("--min-budget", min_budget), ("--max-budget", max_budget), ("--step", step)):
@@ -72,7 +76,8 @@ def tune_cmd(
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
     search = dict(options=inputs.options, max_new_tokens=max_new_tokens, min_budget=min_budget,
-                  max_budget=max_budget, step=step, seed=seed)
+                  max_budget=max_budget, step=step, seed=seed,
+                  engine_options={"prune": inputs.prune_for(engine.num_layers), "attention_topk": attention_topk})
     if metric == "passkey":
         from sparseety.bench import make_cases, tokenizer_counter
 
