@@ -267,7 +267,7 @@ class FakeTokenizer:
 
 def test_decode_and_exclude_special_use_the_tokenizer(tmp_path, monkeypatch):
     loaded = []
-    monkeypatch.setattr(extract_cmd, "_load_tokenizer", lambda name: loaded.append(name) or FakeTokenizer())
+    monkeypatch.setattr(extract_cmd, "load_tokenizer", lambda name: loaded.append(name) or FakeTokenizer())
     scores = np.full((1, 6), 0.1)
     scores[0, 0] = 1.0  # a sink on the special token
     np.save(tmp_path / "s.npy", scores)

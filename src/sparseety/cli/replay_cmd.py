@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from sparseety.cli import record_output as shared
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.query_cmd import TRACE_DIR_HELP
 from sparseety.errors import InputError
@@ -18,46 +19,37 @@ from sparseety.errors import InputError
 def replay_command(
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help=TRACE_DIR_HELP),
     request_id: str | None = typer.Option(None, "--request-id", help="Request to replay [default: the newest]."),
-    top_k: int | None = typer.Option(None, "--top-k", help="Most records per ranking [default: 16]."),
-    min_score: float | None = typer.Option(None, "--min-score", help="Keep scores >= this, in [0, 1) [default: 0.05]."),
-    score_type: str | None = typer.Option(None, "--score-type", help="attention|route|activation [default: attention]."),
+    top_k: int | None = shared.TOP_K_OPT,
+    min_score: float | None = shared.MIN_SCORE_OPT,
+    score_type: str | None = shared.SCORE_TYPE_OPT,
     layer: int | None = typer.Option(None, "--layer", help="Only this layer [default: every layer]."),
-    head_reduce: str | None = typer.Option(None, "--head-reduce", help="mean|max|none [default: mean]."),
+    head_reduce: str | None = shared.HEAD_REDUCE_OPT,
     query_reduce: str | None = typer.Option(
         None, "--query-reduce", help="sum|mean|max|last over decode forwards [default: sum]."
     ),
-    normalize: str | None = typer.Option(None, "--normalize", help="l2|l1|max|none [default: max]."),
-    experts_k: int | None = typer.Option(None, "--experts-k", help="Top experts per route record [default: 2]."),
-    activation_reduce: str | None = typer.Option(
-        None, "--activation-reduce", help="maxabs|l2|nonzero_frac [default: maxabs]."
-    ),
-    exclude_special: bool = typer.Option(
-        False, "--exclude-special", help="Drop special tokens (ids from the config, else from the tokenizer)."
-    ),
+    normalize: str | None = shared.NORMALIZE_OPT,
+    experts_k: int | None = shared.EXPERTS_K_OPT,
+    activation_reduce: str | None = shared.ACTIVATION_REDUCE_OPT,
+    exclude_special: bool = shared.EXCLUDE_SPECIAL_OPT,
     decode: bool = typer.Option(False, "--decode", help="Fill text from the stored token texts (else --model)."),
     model: str | None = typer.Option(None, "--model", help="Model whose tokenizer decodes [default: the request's]."),
-    config: Path | None = typer.Option(None, "--config", help="Extraction settings (YAML)."),
-    output_format: str = typer.Option("jsonl", "--format", help="jsonl|table."),
+    config: Path | None = shared.CONFIG_OPT,
+    output_format: str = shared.FORMAT_OPT,
     stats: bool = typer.Option(False, "--stats", help="Print the score percentiles instead of records."),
 ) -> None:
     """Rank a stored request's tokens again from its tier-3 signals, printed as `sparseety extract` prints."""
-    from sparseety.cli.extract_cmd import _load_tokenizer, _Output
+    from sparseety.cli.record_output import RecordPrinter
     from sparseety.config import ExtractionConfig
     from sparseety.extract import extract_detailed
+    from sparseety.models import load_tokenizer
     from sparseety.store import load_trace
     from sparseety.store.replay import replay_inputs
 
     if output_format not in ("jsonl", "table"):
         raise InputError(f"--format must be jsonl or table, got {output_format!r}")
-    flags: dict[str, Any] = {
-        key: value
-        for key, value in {
-            "top_k": top_k, "min_score": min_score, "score_type": score_type, "head_reduce": head_reduce,
-            "query_reduce": query_reduce, "normalize": normalize, "experts_k": experts_k,
-            "activation_reduce": activation_reduce, "exclude_special": exclude_special or None,
-        }.items()
-        if value is not None
-    }
+    flags = shared.given_flags(top_k=top_k, min_score=min_score, score_type=score_type, head_reduce=head_reduce,
+                            query_reduce=query_reduce, normalize=normalize, experts_k=experts_k,
+                            activation_reduce=activation_reduce, exclude_special=exclude_special)
     defaults = ExtractionConfig.from_yaml(config).model_dump(exclude_unset=True) if config else {}
     defaults.pop("layout", None)  # the stored signals' layout is known
     ExtractionConfig(**{**defaults, **flags, "exclude_special": False})  # a bad flag fails before any work
@@ -68,12 +60,12 @@ def replay_command(
     tokenizer = None
     stored_model = model or str(trace.document.get("model"))
     if flags.get("exclude_special") and not defaults.get("special_ids"):
-        tokenizer = _load_tokenizer(stored_model)
+        tokenizer = load_tokenizer(stored_model)
         defaults = {"special_ids": tuple(tokenizer.all_special_ids), **defaults}
     if decode:
-        text_of = _decoder(trace.document, model, stored_model, tokenizer, _load_tokenizer)
+        text_of = _decoder(trace.document, model, stored_model, tokenizer, load_tokenizer)
 
-    out = _Output(output_format, stats)
+    out = RecordPrinter(output_format, stats)
     for entry in inputs:
         settings = ExtractionConfig(**{**defaults, **flags, "layout": entry.layout})
         result = extract_detailed(entry.token_ids, entry.scores, settings, text_of,
