@@ -36,9 +36,6 @@ from pydantic import (
 
 from sparseety.errors import ConfigError
 
-#: ``token_pruning: true`` means this schedule, in fractions of the model's depth.
-DEFAULT_PRUNE_DEPTHS = ((0.25, 0.3), (0.5, 0.5))
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -173,12 +170,9 @@ class RunFile(_Section):
             return pruning
         if not pruning:
             return None
+        from sparseety.policies.prune import default_prune_schedule
+
         return "default" if num_layers is None else default_prune_schedule(num_layers)
-
-
-def default_prune_schedule(num_layers: int) -> str:
-    """The schedule ``token_pruning: true`` means for a model of ``num_layers`` layers."""
-    return ",".join(f"{max(0, int(num_layers * depth) - 1)}:{fraction}" for depth, fraction in DEFAULT_PRUNE_DEPTHS)
 
 
 def _problems(exc: ValidationError, text: str) -> list[str]:

@@ -135,8 +135,7 @@ class RunInputs:
 
         if self.prune_opt and self.prune_schedule is None:
             raise InputError("--prune-opt needs --prune-schedule")
-        if self.prune_schedule is not None:
-            self.prune_for(30 if self.prune_schedule == "default" else None)
+        self.prune_for()  # the schedule's syntax; its layers are checked against the model when it loads
         parse_prune_opts(self.prune_opt)
         parse_layers(self.layers)
         if self.attention_topk is not None and self.attention_topk <= 0:
@@ -144,17 +143,13 @@ class RunInputs:
         if not 0.0 <= self.min_score < 1.0:
             raise InputError(f"--min-score must be in [0, 1), got {self.min_score}")
 
-    def prune_for(self, num_layers: int | None) -> PruneSchedule | None:
-        """The pruning schedule; ``default`` is resolved against the model's depth."""
+    def prune_for(self, num_layers: int = 30) -> PruneSchedule | None:
+        """The pruning schedule (``default`` resolved against ``num_layers``), or None."""
         from sparseety.policies.prune import parse_prune_opts, parse_prune_schedule
-        from sparseety.run_file import default_prune_schedule
 
         if self.prune_schedule is None:
             return None
-        text = self.prune_schedule
-        if text.strip().lower() == "default":
-            text = default_prune_schedule(num_layers or 30)
-        return parse_prune_schedule(text, parse_prune_opts(self.prune_opt))
+        return parse_prune_schedule(self.prune_schedule, parse_prune_opts(self.prune_opt), num_layers)
 
     def engine_options(self, num_layers: int) -> dict[str, Any]:
         """Keyword arguments of ``SparseEngine.generate`` these flags set beside the policy."""

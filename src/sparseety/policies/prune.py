@@ -103,11 +103,23 @@ def parse_prune_opts(items: list[str]) -> dict[str, str]:
     return parse_policy_opts(items, flag="--prune-opt")
 
 
-def parse_prune_schedule(text: str, options: dict[str, Any] | None = None) -> PruneSchedule:
-    """Parse ``"8:0.3,16:0.5"`` plus options (``keep_recent``, ``sinks``, ``window``; strings are converted).
+#: The ``default`` schedule, in fractions of the model's depth: 0.3 at a quarter, 0.5 at half.
+DEFAULT_PRUNE_DEPTHS = ((0.25, 0.3), (0.5, 0.5))
+
+
+def default_prune_schedule(num_layers: int) -> str:
+    """The ``default`` schedule for a model of ``num_layers`` layers, as schedule text."""
+    return ",".join(f"{max(0, int(num_layers * depth) - 1)}:{fraction}" for depth, fraction in DEFAULT_PRUNE_DEPTHS)
+
+
+def parse_prune_schedule(text: str, options: dict[str, Any] | None = None, num_layers: int = 30) -> PruneSchedule:
+    """Parse ``"8:0.3,16:0.5"`` (or ``default``, resolved against ``num_layers``) plus options
+    (``keep_recent``, ``sinks``, ``window``; strings are converted).
 
     Raises :class:`ConfigError` naming the malformed part.
     """
+    if str(text).strip().lower() == "default":
+        text = default_prune_schedule(num_layers)
     points: list[tuple[int, float]] = []
     for part in (p.strip() for p in str(text).split(",")):
         layer_text, sep, fraction_text = part.partition(":")

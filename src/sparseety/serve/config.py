@@ -75,20 +75,16 @@ class ServeConfig(ValidatedConfig):
         from sparseety.engine.layers import parse_layers
 
         parse_layers(self.layers)
-        self.prune_for(30)  # the schedule's syntax; its layers are checked against the model at start-up
+        self.prune_for()  # the schedule's syntax; its layers are checked against the model at start-up
         return self
 
-    def prune_for(self, num_layers: int) -> PruneSchedule | None:
-        """The pruning schedule (``default`` resolved against the model's depth), or None."""
+    def prune_for(self, num_layers: int = 30) -> PruneSchedule | None:
+        """The pruning schedule (``default`` resolved against ``num_layers``), or None."""
         from sparseety.policies.prune import parse_prune_schedule
-        from sparseety.run_file import default_prune_schedule
 
         if self.prune_schedule is None:
             return None
-        text = self.prune_schedule
-        if text.strip().lower() == "default":
-            text = default_prune_schedule(num_layers)
-        return parse_prune_schedule(text, dict(self.prune_opts))
+        return parse_prune_schedule(self.prune_schedule, dict(self.prune_opts), num_layers)
 
     def engine_options(self, num_layers: int) -> dict[str, Any]:
         """Keyword arguments of ``SparseEngine.generate`` set for every request beside the policy."""
