@@ -189,13 +189,14 @@ def audit(client: Any, model: str, requests: list[AuditRequest], tokenizer: Any)
         if response.usage is None:
             raise InputError(f"line {request.line}: the server's response has no usage block")
         answers.append((request, response.usage, text, finish))
-    vocabulary_agrees = any(request.kind == "completion" and usage.prompt_tokens == local_prompt_tokens(tokenizer, request)
-                            for request, usage, _, _ in answers)
+    local = [local_prompt_tokens(tokenizer, request) for request, _, _, _ in answers]
+    vocabulary_agrees = any(request.kind == "completion" and usage.prompt_tokens == count
+                            for (request, usage, _, _), count in zip(answers, local))
     checks = []
-    for request, usage, text, finish in answers:
+    for (request, usage, text, finish), count in zip(answers, local):
         checks.append(UsageCheck(
             line=request.line, kind=request.kind,
-            server_prompt=usage.prompt_tokens, local_prompt=local_prompt_tokens(tokenizer, request),
+            server_prompt=usage.prompt_tokens, local_prompt=count,
             server_completion=usage.completion_tokens,
             local_completion=local_completion_tokens(tokenizer, text, finish),
             finish_reason=finish,
