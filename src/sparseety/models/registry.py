@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparseety.errors import ModelLoadError
-from sparseety.models.gguf_cache import cache_root, convert_gguf
+from sparseety.models.gguf_cache import cache_root, convert_gguf, migrate_cache, needs_migration
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -73,6 +73,8 @@ def resolve_model_dir(name_or_path: str) -> str:
         target = builtin.cache_dir()
         if not (target / "model.safetensors").is_file():
             convert_gguf(builtin.gguf_dir(), builtin.gguf_file, target)
+        elif needs_migration(target):  # written by an older version: fix it in place, keep the weights
+            migrate_cache(target)
         return str(target)
     path = Path(name_or_path).expanduser()
     if path.exists():
