@@ -171,9 +171,11 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
     async def traces(limit: int = Query(20, ge=1, le=1000, description="Newest requests to list.")) -> JSONResponse:
         """Summaries of stored requests, newest first."""
         from sparseety.store import list_traces
+        from sparseety.store.notices import collecting, warning_headers
 
-        rows = await anyio.to_thread.run_sync(lambda: list_traces(config.trace_dir, limit=limit))
-        return JSONResponse({"object": "list", "data": _jsonable(rows)})
+        rows, notes = await anyio.to_thread.run_sync(
+            lambda: collecting(lambda: list_traces(config.trace_dir, limit=limit)))
+        return JSONResponse({"object": "list", "data": _jsonable(rows)}, headers=warning_headers(notes))
 
     @app.get("/v1/traces/{request_id}", responses=ERROR_RESPONSES, dependencies=[Depends(trace_key)])
     async def trace(request_id: str) -> JSONResponse:
@@ -181,13 +183,17 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
         from sparseety.store import load_trace
 
         check_request_id(request_id)
+        from sparseety.store.notices import collecting, warning_headers
+
         try:
-            stored = await anyio.to_thread.run_sync(lambda: load_trace(config.trace_dir, request_id))
+            stored, notes = await anyio.to_thread.run_sync(
+                lambda: collecting(lambda: load_trace(config.trace_dir, request_id)))
         except RecordError as exc:
             raise APIError(404, str(exc), param="request_id", code="trace_not_found") from None
         arrays = {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in stored.arrays.items()}
         return JSONResponse(_jsonable({"request_id": stored.request_id, "tier": stored.tier,
-                                       "document": stored.document, "arrays": arrays}))
+                                       "document": stored.document, "arrays": arrays}),
+                            headers=warning_headers(notes))
 
     return app
 
