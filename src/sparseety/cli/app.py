@@ -30,12 +30,16 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def user_errors(fn: F) -> F:
-    """Turn a :class:`SparseetyError` raised by a command into an ``error:`` line and exit code 2."""
+    """Turn a :class:`SparseetyError` raised by a command into an ``error:`` line and exit code 2; print each
+    store warning (a skipped damaged file) once as a ``warning:`` line."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from sparseety.store.notices import collected
+
         try:
-            return fn(*args, **kwargs)
+            with collected(echo=True):
+                return fn(*args, **kwargs)
         except SparseetyError as exc:
             fail(str(exc))
 

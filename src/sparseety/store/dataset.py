@@ -3,7 +3,8 @@
 ``<trace_dir>/_sparseety_dataset.json`` marks a dataset (format and ``schema_version``); data
 files are ``<trace_dir>/<table>/date=YYYY-MM-DD/part-<uuid>.parquet``. Each file is written to a
 dot-prefixed temporary name in its folder and renamed into place, so readers (which glob
-``part-*.parquet``; pyarrow and Spark skip dot files anyway) never see half a file.
+``part-*.parquet``; pyarrow and Spark skip dot files anyway) never see half a file. A marker with
+``commit_log`` means readers take only the files a commit manifest names (:mod:`sparseety.store.commits`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from sparseety.store.tables import TABLES, file_schema
 MARKER = "_sparseety_dataset.json"
 FORMAT = "sparseety-trace-dataset"
 TEMP_PREFIX = ".part-"
+COMMIT_LOG = "_commits"
+QUARANTINE = "_quarantine"
 
 
 def major(version: str) -> int:
@@ -66,34 +69,61 @@ def open_dataset(path: str | Path) -> Path:
         raise RecordError(f"trace directory {root} does not exist")
     if not root.is_dir():
         raise RecordError(f"trace directory {root} is not a directory")
-    marker = root / MARKER
-    if not marker.is_file():
+    if not (root / MARKER).is_file():
         raise RecordError(f"{root} is not a sparseety trace dataset (no {MARKER}; write one with `sparseety run`)")
+    info = _marker(root)
+    check_version(str(info["schema_version"]), f"trace dataset {root}")
+    return root
+
+
+def uses_commit_log(root: Path) -> bool:
+    """Whether readers of the dataset at ``root`` take only files a commit manifest names."""
+    return _marker(root).get("commit_log") == COMMIT_LOG
+
+
+def _marker(root: Path) -> dict[str, object]:
+    marker = root / MARKER
     try:
         info = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise RecordError(f"cannot read {marker}: {exc}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT or "schema_version" not in info:
         raise RecordError(f"{marker} is not a sparseety dataset marker")
-    check_version(str(info["schema_version"]), f"trace dataset {root}")
-    return root
+    return info
 
 
 def create_dataset(path: str | Path) -> Path:
-    """``path`` as a dataset root, creating it and its marker when missing (refuses a newer major)."""
+    """``path`` as a dataset root, creating it and its marker when missing (refuses a newer major).
+
+    A dataset written before the commit log gets one: a manifest committing every file it holds, then
+    ``commit_log`` in its marker.
+    """
     root = Path(path)
     if (root / MARKER).is_file():
-        return open_dataset(root)
+        open_dataset(root)
+        if not uses_commit_log(root):
+            from sparseety.store.commits import write_manifest
+
+            write_manifest(root, [p for table in TABLES for p in table_files(root, table)])
+            _write_marker(root, {**_marker(root), "commit_log": COMMIT_LOG})
+        return root
     if root.exists() and not root.is_dir():
         raise RecordError(f"trace directory {root} is not a directory")
     root.mkdir(parents=True, exist_ok=True)
-    marker = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "tables": list(TABLES)}
-    _atomic_bytes(root / MARKER, json.dumps(marker, indent=1).encode())
+    _write_marker(root, {"format": FORMAT, "schema_version": SCHEMA_VERSION, "tables": list(TABLES),
+                         "commit_log": COMMIT_LOG})
     return root
 
 
+def _write_marker(root: Path, marker: dict[str, object]) -> None:
+    _atomic_bytes(root / MARKER, json.dumps(marker, indent=1).encode())
+
+
 def write_part(root: Path, table: str, day: date, data: pa.Table, *, compression: str = "zstd") -> Path:
-    """Write ``data`` as one new file of ``table``'s ``day`` partition, atomically; returns its path."""
+    """Write ``data`` as one new file of ``table``'s ``day`` partition, atomically; returns its path.
+
+    The file is not committed (visible to readers) until a manifest names it.
+    """
     folder = root / table / f"date={day.isoformat()}"
     folder.mkdir(parents=True, exist_ok=True)
     name = f"part-{uuid.uuid4().hex}.parquet"

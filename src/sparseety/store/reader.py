@@ -16,9 +16,12 @@ import pyarrow.parquet as pq
 
 from sparseety.errors import RecordError
 from sparseety.schema import TokenRecord
-from sparseety.store.dataset import check_version, open_dataset, table_files, table_glob
+from sparseety.store.dataset import open_dataset
+from sparseety.store.notices import notice
 from sparseety.store.rows import DRAFT_COLUMNS, DRAFT_EVENTS, DRAFT_GROUP, EVENT_COLUMNS
-from sparseety.store.tables import TABLES, VERSION_KEY
+from sparseety.store.sandbox import lock_down
+from sparseety.store.scan import Scan, file_problem, scan_dataset
+from sparseety.store.tables import TABLES
 
 VIEWS = tuple(TABLES)
 
@@ -54,39 +57,45 @@ class StoredTrace:
 
 
 def connect(trace_dir: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with views ``requests``, ``token_events``, ``important_tokens``,
-    ``signals`` over the dataset (with the Hive ``date`` column); a table without files yet is an empty view.
+    """An in-memory, sandboxed DuckDB connection with views ``requests``, ``token_events``,
+    ``important_tokens``, ``signals`` over the dataset's committed files (with the Hive ``date``
+    column); a table without files yet is an empty view.
+
+    Damaged files are skipped, each named in one notice (:mod:`sparseety.store.notices`). The
+    connection reads those files and nothing else (:mod:`sparseety.store.sandbox`).
 
     Raises
     ------
     RecordError
         Not a dataset, or a file written with a newer major schema version.
     """
-    root = open_dataset(trace_dir)
+    return _connect(_scan(trace_dir))
+
+
+def _scan(trace_dir: str | Path) -> Scan:
+    scan = scan_dataset(open_dataset(trace_dir))
+    for damaged in scan.damaged:
+        notice(f"skipped damaged file {damaged.path}: {damaged.reason} "
+               f"(`sparseety traces check --repair` quarantines it)")
+    return scan
+
+
+def _connect(scan: Scan) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
     for table in VIEWS:
-        files = table_files(root, table)
+        files = scan.files[table]
         if files:
-            _check_files(con, table_glob(root, table))
-            glob = table_glob(root, table).replace("'", "''")
+            listed = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
             con.execute(
-                f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{glob}', hive_partitioning = true, "
+                f"CREATE VIEW {table} AS SELECT * FROM read_parquet({listed}, hive_partitioning = true, "
                 f"union_by_name = true)"
             )
         else:
             empty = TABLES[table].empty_table().append_column("date", pa.array([], pa.date32()))
             con.register(f"_empty_{table}", empty)
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
+    lock_down(con, scan.all_files())
     return con
-
-
-def _check_files(con: duckdb.DuckDBPyConnection, glob: str) -> None:
-    rows = con.sql(
-        "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
-        params=[glob, VERSION_KEY.decode()],
-    ).fetchall()
-    for file_name, version in rows:
-        check_version(version, f"trace file {file_name}")
 
 
 def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
@@ -104,10 +113,12 @@ def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
     """
     given = Path(path)
     root, file = _root_of(given)
-    con = connect(root)
+    scan = _scan(root)
+    con = _connect(scan)
     if request_id is None and file is not None:
-        pq_meta = pq.read_schema(file).metadata or {}
-        check_version(pq_meta.get(VERSION_KEY, b"0.0").decode(), f"trace file {file}")
+        problem = file_problem(file, "requests")
+        if problem is not None:
+            raise RecordError(f"{file} is damaged: {problem}")
         ids = pq.read_table(file, columns=["request_id", "created_at"]).to_pylist()
         if not ids:
             raise RecordError(f"{file} holds no request")
@@ -121,8 +132,8 @@ def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
         con,
         "SELECT *, filename AS _file FROM read_parquet(?, hive_partitioning = true, union_by_name = true, "
         "filename = true) WHERE request_id = ? ORDER BY created_at DESC LIMIT 1",
-        [table_glob(root, "requests"), request_id],
-    ) if table_files(root, "requests") else None
+        [[str(p) for p in scan.files["requests"]], request_id],
+    ) if scan.files["requests"] else None
     if found is None or found.num_rows == 0:
         raise RecordError(f"no request with id {request_id!r} in {root}")
     request = found.to_pylist()[0]
@@ -238,8 +249,18 @@ def _records(con: duckdb.DuckDBPyConnection, request_id: str) -> list[dict[str, 
 
 
 def _arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any]) -> pa.Table:
-    """Run ``sql`` with ``params`` and return the result as an Arrow table."""
-    return con.sql(sql, params=params).to_arrow_table()
+    """Run ``sql`` with ``params`` and return the result as an Arrow table.
+
+    Raises
+    ------
+    RecordError
+        DuckDB could not read a file (damaged past its footer).
+    """
+    try:
+        return con.sql(sql, params=params).to_arrow_table()
+    except duckdb.Error as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecordError(f"reading the trace dataset failed: {first} (run `sparseety traces check`)") from None
 
 
 def list_traces(trace_dir: str | Path, limit: int = 20) -> list[dict[str, Any]]:

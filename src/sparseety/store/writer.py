@@ -3,8 +3,8 @@
 The producer (a serving thread) only calls :meth:`TraceWriter.submit`, which never waits: when the
 queue is full the record is dropped and counted. The thread converts records to rows (privacy and
 sampling applied), batches them per table and partition, and commits a batch when it holds
-``batch_rows`` rows or is ``flush_interval_s`` old. A batch's ``requests`` file is renamed into
-place last, so a request that readers can see has all its rows committed.
+``batch_rows`` rows or is ``flush_interval_s`` old. A batch's files are renamed into place and then its
+commit manifest written, so readers see all of a batch's rows, in every table, or none.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from sparseety.errors import ConfigError, SparseetyError
+from sparseety.store.commits import write_manifest
 from sparseety.store.dataset import create_dataset, write_part
 from sparseety.store.rows import RequestRows, StoreOptions, request_rows, to_table
 from sparseety.store.sampling import check_rate, should_sample
@@ -27,7 +28,7 @@ from sparseety.store.tables import TABLES
 if TYPE_CHECKING:
     from sparseety.engine.result import RunResult
 
-_TABLE_ORDER = ("token_events", "important_tokens", "signals", "requests")  # requests last: visibility
+_TABLE_ORDER = ("token_events", "important_tokens", "signals", "requests")
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,8 @@ class TraceWriter:
 
 
 def commit_rows(root: Path, batch: list[RequestRows], *, compression: str = "zstd") -> Commit:
-    """Write ``batch`` as one file per table and day partition, ``requests`` files last."""
+    """Write ``batch`` as one file per table and day partition (``requests`` files last), then commit
+    them all at once with one manifest."""
     by_day: dict[date, list[RequestRows]] = {}
     for rows in batch:
         by_day.setdefault(rows.created_at.date(), []).append(rows)
@@ -309,6 +311,7 @@ def commit_rows(root: Path, batch: list[RequestRows], *, compression: str = "zst
             if parts:
                 files.append(write_part(root, table, day, to_table(TABLES[table], parts), compression=compression))
     assert set(_TABLE_ORDER) == set(TABLES)
+    write_manifest(root, files)
     return Commit(request_ids=[rows.request_id for rows in batch], files=files)
 
 
