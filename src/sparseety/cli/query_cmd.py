@@ -1,4 +1,8 @@
-"""``sparseety query "SQL"``: DuckDB over the trace dataset's views, printed as a table, JSON or CSV."""
+"""``sparseety query "SQL"``: DuckDB over the trace dataset's views, printed as a table, JSON or CSV.
+
+The SQL runs in the store's sandbox (:mod:`sparseety.store.sandbox`): one read-only statement over the
+dataset's views, no other file, URL, database or extension.
+"""
 
 from __future__ import annotations
 
@@ -29,11 +33,13 @@ def query_command(
     from sparseety.store import connect
     from sparseety.store.export import plain
     from sparseety.store.reader import VIEWS
+    from sparseety.store.sandbox import check_sql
 
     if output_format not in FORMATS:
         raise InputError(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
     con = connect(trace_dir)
     try:
+        check_sql(con, sql)
         relation = con.sql(sql)
         if relation is None:
             raise InputError("the SQL statement returns no rows; give a query (SELECT ...)")
@@ -43,6 +49,8 @@ def query_command(
         raise InputError(f"malformed SQL: {_first_line(exc)}") from None
     except duckdb.CatalogException as exc:
         raise InputError(f"{_first_line(exc)} (tables: {', '.join(VIEWS)})") from None
+    except duckdb.PermissionException as exc:
+        raise InputError(f"refused: query reads the trace dataset only ({_first_line(exc)})") from None
     except duckdb.Error as exc:
         raise InputError(f"query failed: {_first_line(exc)}") from None
     finally:
