@@ -22,18 +22,43 @@ def test_compaction_keeps_positions_and_shrinks_memory():
     slots, positions = layer.compact(keep)
     assert slots.tolist() == [[[1, 3, 4], [0, 2, 5]]]
     assert positions.tolist() == [[[1, 3, 4], [0, 2, 5]]]
-    assert layer.positions.tolist() == [[[0, 2, 5], [1, 3, 4]]]
-    assert torch.equal(layer.keys[0, 0], keys[0, 0, [0, 2, 5]])
-    assert torch.equal(layer.values[0, 1], -keys[0, 1, [1, 3, 4]])
+    # a small eviction moves the newest survivors into the freed slots: a permutation of the kept set
+    assert layer.positions.tolist() == [[[0, 5, 2], [3, 1, 4]]]
+    for head in range(2):  # every slot's key and value still belong to the position it reports
+        for slot, position in enumerate(layer.positions[0, head].tolist()):
+            assert torch.equal(layer.keys[0, head, slot], keys[0, head, position])
+            assert torch.equal(layer.values[0, head, slot], -keys[0, head, position])
     assert layer.nbytes() == before // 2
     assert layer.get_seq_length() == 6 and layer.num_slots() == 3
+
+
+def test_a_large_eviction_reallocates_in_position_order_and_frees_the_buffer():
+    layer, keys = filled(600)
+    allocated = layer.allocated_bytes()
+    keep = torch.arange(500, 600).expand(1, 2, 100)
+    layer.compact(keep)
+    assert layer.positions.tolist() == [[list(range(500, 600))] * 2]
+    assert torch.equal(layer.keys, keys[:, :, 500:])
+    assert layer.allocated_bytes() < allocated / 4  # the buffer itself shrank, not just the live view
+
+
+def test_appends_write_into_the_buffer_without_copying_it():
+    layer, _ = filled(6)
+    buffer = layer._k.data_ptr()
+    for _ in range(10):
+        layer.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+        oldest = layer.positions[0] == layer.positions[0].amin(dim=-1, keepdim=True)
+        layer.compact((~oldest).nonzero()[:, 1].view(1, 2, -1))  # evict the oldest position per step
+    assert layer._k.data_ptr() == buffer and layer.num_slots() == 6
+    assert sorted(layer.positions[0, 0].tolist()) == list(range(10, 16))
 
 
 def test_new_tokens_get_the_next_positions_after_compaction():
     layer, _ = filled(6)
     layer.compact(torch.tensor([[[0, 5], [4, 5]]]))
     layer.update(torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4))
-    assert layer.positions.tolist() == [[[0, 5, 6, 7], [4, 5, 6, 7]]]
+    assert layer.positions[..., -2:].tolist() == [[[6, 7], [6, 7]]]  # new rows are always the last slots
+    assert [sorted(h) for h in layer.positions[0].tolist()] == [[0, 5, 6, 7], [4, 5, 6, 7]]
     assert layer.get_seq_length() == 8
 
 

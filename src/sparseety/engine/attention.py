@@ -8,6 +8,10 @@ a full ``[heads, q, n]`` matrix). It then hands them to the run context, which s
 records. Because transformers builds no mask for this name, causality is applied here: for ``q``
 new rows over ``n`` keys, row ``i`` sees slots ``0 .. n - q + i`` (new keys are always the last slots).
 
+In a packed forward (continuous batching, :mod:`sparseety.engine.packed`) the queries of many
+sequences arrive side by side ``[1, heads, T, d]``; each sequence's rows attend to that sequence's
+own cache through its own context, with exactly the calls a forward of that sequence alone makes.
+
 Shapes: ``query [b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, n, d]``, output ``[b, q, heads, d]``.
 """
 
@@ -20,7 +24,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from sparseety.engine.context import LayerSignals, active_context
+from sparseety.engine.context import LayerSignals, RunContext, active_context
+from sparseety.engine.packed import active_packed
 
 ATTENTION_NAME = "sparseety"
 COLSUM_BLOCK = 128
@@ -90,12 +95,14 @@ def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: t
 
 
 def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int = 1,
-                block: int = COLSUM_BLOCK) -> torch.Tensor:
+                block: int = COLSUM_BLOCK, last: int | None = None) -> torch.Tensor:
     """Attention each key receives, summed over query rows, computed ``block`` rows at a time.
 
-    With ``stride > 1`` only every ``stride``-th row counting back from the last one is computed and
+    With ``stride > 1`` only every ``stride``-th row counting back from row ``last`` is computed and
     the sums are scaled by ``stride`` (an unbiased estimate at ``1/stride`` of the cost); ``stride=1``
-    is exact. Memory stays ``O(block * n)`` per head: the full ``[heads, q, n]`` matrix never exists.
+    is exact. ``last`` (default: the last row) may lie beyond this forward's rows: a prefill chunk
+    then samples the rows the whole prefill would. Memory stays ``O(block * n)`` per head: the full
+    ``[heads, q, n]`` matrix never exists.
 
     Parameters
     ----------
@@ -109,7 +116,9 @@ def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: 
     kvh, n = key.shape[1], key.shape[2]
     g = h // kvh
     key_t = key.transpose(-1, -2).contiguous()  # [b, kv_heads, d, n]
-    rows = torch.arange(q - 1, -1, -stride, device=query.device).flip(0)
+    last = q - 1 if last is None else last
+    top = last - stride * -(-(last - (q - 1)) // stride) if last > q - 1 else last  # the last sampled row here
+    rows = torch.arange(top, -1, -stride, device=query.device).flip(0)
     colsum = torch.zeros(b, h, n, dtype=torch.float32, device=query.device)
     for start in range(0, rows.numel(), block):
         chunk = rows[start : start + block]
@@ -156,12 +165,27 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         attention_mask: torch.Tensor | None, scaling: float | None = None,
                         dropout: float = 0.0, **kwargs: object) -> tuple[torch.Tensor, None]:
     """The registered attention function (see module docstring)."""
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1])
+    packed = active_packed()
+    if packed is not None:  # one forward over many sequences: each attends to its own cache
+        layer = module.layer_idx
+        outputs = []
+        for segment in packed.segments:
+            cache_layer = segment.ctx.cache.layers[layer]
+            rows = query[:, :, segment.start : segment.start + segment.length]
+            outputs.append(attend(segment.ctx, module, rows, cache_layer.keys, cache_layer.values, scaling, kwargs))
+        return torch.cat(outputs, dim=1), None
     ctx = active_context()
     if ctx is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if scaling is None:
-        scaling = 1.0 / math.sqrt(query.shape[-1])
+    return attend(ctx, module, query, key, value, scaling, kwargs), None
+
+
+def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float, kwargs: dict) -> torch.Tensor:
+    """One sequence's attention through its run context: output ``[b, q, heads, d]``; the context scores and evicts."""
     layer = module.layer_idx
     q, n = query.shape[2], key.shape[2]
     plan = ctx.plan(layer, q, n)
@@ -173,7 +197,7 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     else:
         out = causal_attention(module, query, key, value, scaling, **kwargs)
         if plan.colsum_stride:
-            seen.colsum = column_sums(query, key, scaling, plan.colsum_stride)
+            seen.colsum = column_sums(query, key, scaling, plan.colsum_stride, last=plan.colsum_last)
     rows = min(q, plan.window_rows)
     if rows > 0:
         seen.window = row_probs(query[:, :, q - rows:], key, scaling)
@@ -192,7 +216,7 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         assert ctx.prune is not None
         ctx.prune.take_scores(probs)
     ctx.observe(layer, key, seen)
-    return out, None
+    return out
 
 
 AttentionInterface.register(ATTENTION_NAME, sparseety_attention)

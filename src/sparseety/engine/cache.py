@@ -1,16 +1,28 @@
 """``SparseCache``: a transformers ``Cache`` whose layers really shrink, and remember where every slot came from.
 
-Each layer holds compacted keys/values ``[b, kv_heads, slots, d]`` (RoPE already applied, so a kept
-key stays valid at its original position), the original token position of every slot
-``[b, kv_heads, slots]`` in ascending order, and an optional per-slot policy accumulator. It reports
-the number of tokens *seen* from ``get_seq_length`` (not the slots it holds), so ``generate`` keeps
-computing the right positions.
+Each layer holds keys/values in a preallocated buffer ``[b, kv_heads, capacity, d]`` (RoPE already
+applied, so a kept key stays valid at its original position) of which the first ``slots`` are live,
+the original token position of every live slot ``[b, kv_heads, slots]``, and an optional per-slot
+policy accumulator. New tokens are written after the live slots (no copy of the cache per step).
+A small eviction (a decode step) moves the newest survivors into the freed slots, so only the slots
+that changed are copied; a large one (the end of a prefill) gathers the kept slots into a buffer
+sized to them, so the memory really shrinks. Slots are therefore *not* always in position order:
+everything that cares (tie-breaking, reports) orders by ``positions``. New rows are always the last
+slots of a forward, which is what the attention function's causal rule relies on.
+
+It reports the number of tokens *seen* from ``get_seq_length`` (not the slots it holds), so
+``generate`` keeps computing the right positions.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+#: Slots added when a buffer grows (amortises reallocation for layers that never evict).
+GROW_SLOTS = 256
+#: Evictions of at most this many slots per head move survivors in place instead of reallocating.
+IN_PLACE_EVICTIONS = 32
 
 
 class SparseLayer(DynamicLayer):
@@ -21,7 +33,37 @@ class SparseLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
         self.seen = 0
+        self._k: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, d]``
+        self._v: torch.Tensor | None = None
+        self._slots = 0
         self._incoming: tuple[torch.Tensor, int] | None = None
+
+    # -- buffer --------------------------------------------------------------------------------------
+    def _views(self) -> None:
+        assert self._k is not None and self._v is not None
+        self.keys = self._k[:, :, : self._slots]
+        self.values = self._v[:, :, : self._slots]
+
+    def _reallocate(self, capacity: int, keep: torch.Tensor | None = None) -> None:
+        """Move the live slots (or the slots ``keep`` ``[b, kv_heads, k]``, in that order) into a new buffer."""
+        assert self._k is not None and self._v is not None
+        b, h, _, d = self._k.shape
+        k_new = self._k.new_empty(b, h, capacity, d)
+        v_new = self._v.new_empty(b, h, capacity, d)
+        if keep is None:
+            k_new[:, :, : self._slots] = self._k[:, :, : self._slots]
+            v_new[:, :, : self._slots] = self._v[:, :, : self._slots]
+        else:
+            index = keep.unsqueeze(-1).expand(b, h, keep.shape[-1], d)
+            torch.gather(self._k[:, :, : self._slots], 2, index, out=k_new[:, :, : keep.shape[-1]])
+            torch.gather(self._v[:, :, : self._slots], 2, index, out=v_new[:, :, : keep.shape[-1]])
+            self._slots = keep.shape[-1]
+        self._k, self._v = k_new, v_new
+        self._views()
+
+    def capacity(self) -> int:
+        """Slots the buffer can hold per KV head before it grows."""
+        return 0 if self._k is None else self._k.shape[2]
 
     def expect(self, positions: torch.Tensor, fed: int) -> None:
         """Announce that the next :meth:`update` carries only the rows at ``positions`` ``[q]`` (ascending)
@@ -32,9 +74,23 @@ class SparseLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[b, kv_heads, q, d]`` new keys/values at positions ``seen .. seen+q-1``
-        (or at the positions announced by :meth:`expect`, the tokens seen then advancing by the whole forward)."""
-        keys, values = super().update(key_states, value_states)
-        b, h, q, _ = key_states.shape
+        (or at the positions announced by :meth:`expect`, the tokens seen then advancing by the whole forward).
+
+        Returns the live keys and values ``[b, kv_heads, slots, d]`` (views of the buffer); the new ones last.
+        """
+        b, h, q, d = key_states.shape
+        if self._k is None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._k = key_states.new_empty(b, h, q + GROW_SLOTS, d)
+            self._v = value_states.new_empty(b, h, q + GROW_SLOTS, d)
+            self.is_initialized = True
+        elif self._slots + q > self.capacity():
+            self._reallocate(self._slots + q + GROW_SLOTS)
+        assert self._k is not None and self._v is not None
+        self._k[:, :, self._slots : self._slots + q] = key_states
+        self._v[:, :, self._slots : self._slots + q] = value_states
+        self._slots += q
+        self._views()
         fed = q
         if self._incoming is not None:
             rows, fed = self._incoming
@@ -48,7 +104,7 @@ class SparseLayer(DynamicLayer):
         if self.state is not None:
             self.state = torch.cat([self.state, self.state.new_zeros(b, h, q)], dim=-1)
         self.seen += fed
-        return keys, values
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (prompt and generated), not slots held."""
@@ -59,13 +115,18 @@ class SparseLayer(DynamicLayer):
 
     def num_slots(self) -> int:
         """Slots held per KV head."""
-        return 0 if self.positions is None else self.positions.shape[-1]
+        return self._slots
 
     def nbytes(self) -> int:
-        """Bytes held by the keys and values."""
-        if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
+        """Bytes of the live keys and values (what the layer holds; the buffer may hold a few more free slots)."""
+        if self._k is None or self._slots == 0:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        b, h, _, d = self._k.shape
+        return 2 * b * h * self._slots * d * self._k.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the whole buffer, free slots included."""
+        return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
 
     def compact(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep only the slots ``keep`` (``[b, kv_heads, k]``, ascending) in every head.
@@ -73,23 +134,44 @@ class SparseLayer(DynamicLayer):
         Returns
         -------
         evicted_slots : ``[b, kv_heads, n - k]`` slot indices (before compaction) that were dropped.
-        evicted_positions : ``[b, kv_heads, n - k]`` their original token positions.
+        evicted_positions : ``[b, kv_heads, n - k]`` their original token positions, ascending per head.
         """
         assert self.positions is not None
-        n = self.positions.shape[-1]
-        dropped = torch.ones_like(self.positions, dtype=torch.bool)
-        dropped.scatter_(-1, keep, False)
+        b, h, n = self.positions.shape
         k = keep.shape[-1]
-        evicted_slots = dropped.nonzero(as_tuple=True)[-1].reshape(*keep.shape[:-1], n - k)
+        kept = torch.zeros_like(self.positions, dtype=torch.bool).scatter_(-1, keep, True)
+        evicted_slots = (~kept).nonzero(as_tuple=True)[-1].reshape(b, h, n - k)
         evicted_positions = self.positions.gather(-1, evicted_slots)
-        b, h, _, d = self.keys.shape
-        rows = (keep + torch.arange(b * h, device=keep.device).view(b, h, 1) * n).reshape(-1)
-        self.keys = self.keys.reshape(b * h * n, d).index_select(0, rows).view(b, h, k, d)
-        self.values = self.values.reshape(b * h * n, d).index_select(0, rows).view(b, h, k, d)
-        self.positions = self.positions.gather(-1, keep)
-        if self.state is not None:
-            self.state = self.state.gather(-1, keep)
+        order = evicted_positions.argsort(dim=-1)
+        evicted_slots, evicted_positions = evicted_slots.gather(-1, order), evicted_positions.gather(-1, order)
+        if n == k:
+            return evicted_slots, evicted_positions
+        if n - k <= IN_PLACE_EVICTIONS and b == 1:
+            self._fill_holes(kept[0], k)
+        else:
+            self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
+            self.positions = self.positions.gather(-1, keep)
+            if self.state is not None:
+                self.state = self.state.gather(-1, keep)
         return evicted_slots, evicted_positions
+
+    def _fill_holes(self, kept: torch.Tensor, k: int) -> None:
+        """Move the surviving slots at index ``>= k`` into the evicted slots below ``k`` (``kept`` ``[kv_heads, n]``)."""
+        assert self._k is not None and self._v is not None and self.positions is not None
+        hole_h, hole_s = (~kept[:, :k]).nonzero(as_tuple=True)  # per head, as many holes below k as survivors above
+        move_h, move_s = kept[:, k:].nonzero(as_tuple=True)
+        move_s = move_s + k
+        self._k[0, hole_h, hole_s] = self._k[0, move_h, move_s]
+        self._v[0, hole_h, hole_s] = self._v[0, move_h, move_s]
+        positions = self.positions.clone()
+        positions[0, hole_h, hole_s] = positions[0, move_h, move_s]
+        self.positions = positions[..., :k]
+        if self.state is not None:
+            state = self.state.clone()
+            state[0, hole_h, hole_s] = state[0, move_h, move_s]
+            self.state = state[..., :k]
+        self._slots = k
+        self._views()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (rejected speculative drafts)."""
@@ -99,16 +181,16 @@ class SparseLayer(DynamicLayer):
         if r == 0 or self.positions is None:
             return
         cutoff = self.seen - r
-        if not bool((self.positions[..., -r:] >= cutoff).all()):
+        newest = self.positions >= cutoff
+        if not bool((newest.sum(dim=-1) == r).all()):
             raise RuntimeError("cannot crop: the newest slots were evicted")  # protected while drafting
-        self.keys = self.keys[..., :-r, :]
-        self.values = self.values[..., :-r, :]
-        self.positions = self.positions[..., :-r]
-        if self.state is not None:
-            self.state = self.state[..., :-r]
+        keep = (~newest).nonzero(as_tuple=True)[-1].reshape(*self.positions.shape[:-1], -1)
+        self.compact(keep)
         self.seen = cutoff
 
     def reset(self) -> None:
+        self._k = self._v = None
+        self._slots = 0
         super().reset()
         self.positions = self.state = None
         self.seen = 0
@@ -131,6 +213,11 @@ class SparseCache(Cache):
         """Bytes of keys and values held across layers (the real memory footprint)."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    def kept_positions(self) -> list[torch.Tensor]:
-        """Per layer, ``[b, kv_heads, slots]`` original positions of the slots held."""
-        return [layer.positions for layer in self.layers]
+    def kept_positions(self) -> list[torch.Tensor | None]:
+        """Per layer, ``[b, kv_heads, slots]`` original positions of the slots held, ascending per head."""
+        return [None if layer.positions is None else layer.positions.sort(dim=-1).values for layer in self.layers]
+
+    def release(self) -> None:
+        """Free every layer's buffers (a finished or cancelled sequence)."""
+        for layer in self.layers:
+            layer.reset()

@@ -60,6 +60,7 @@ class LayerPlan:
     window_rows: int
     colsum_stride: int  #: 0: no column sums; k: every k-th query row (1 is exact)
     topk: int | None
+    colsum_last: int = -1  #: with chunked prefill: the row (of this forward) that is the prefill's last row
 
 
 def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -79,8 +80,14 @@ class RunContext:
     num_layers, kv_heads : model geometry.
     tier : 0 nothing, 1 counts and timings, 2 tokens/events/importance, 3 per-step vectors.
     input_len : tokens fed before generation starts (prompt, or context plus question).
-    compress_once : evict only in the first forward (the long-document protocol: the context is
+    compress_once : evict only at the end of the context (the long-document protocol: the context is
         compressed, the question and answer never are).
+    compress_len : with ``compress_once``, the context length (the prompt's first ``compress_len`` tokens).
+
+    A prefill may come in chunks (continuous batching): the policy then scores once, at the end of
+    the chunk that completes the prompt (or the context), from signals carried over the earlier
+    chunks (column sums added up, the observation window's rows kept), exactly as one prefill
+    forward would; earlier chunks evict nothing and record no importance.
     seed : run seed for seeded policies.
     prune : token pruning of the prompt forward, or None.
     layers : which layers record importance (tier >= 2): all, a list, or ``auto`` (the layer with
@@ -94,6 +101,7 @@ class RunContext:
     tier: int
     input_len: int
     compress_once: bool = False
+    compress_len: int | None = None
     seed: int = 0
     on_prefill_layer: Callable[[int, int], None] | None = None
     probes: ModuleProbes | None = None  #: router and activation collector (tier >= 2)
@@ -110,7 +118,11 @@ class RunContext:
     q_len: int = 0
     drafts_in_forward: int = 0
     prompt_forward: bool = True
+    partial_prefill: bool = False  #: a prefill chunk that does not complete the prompt (or the context)
+    choosing_layer: bool = False  #: the forward whose last row chooses the ``auto`` layer
     evicting: bool = False
+    carrying: bool = False  #: an earlier prefill chunk: the policy's signals are kept for the completing chunk
+    prefill_rows: tuple[int, int] = (0, 0)  #: (first row of this forward, rows of the region it belongs to)
     evictions: EventLog = field(default_factory=lambda: EventLog(EVICTED))
     attended: EventLog = field(default_factory=lambda: EventLog(ATTENDED))  #: top-k sets (tier 2)
     skips: EventLog = field(default_factory=lambda: EventLog(SKIPPED))  #: their complements (tier 3)
@@ -124,6 +136,8 @@ class RunContext:
     step_vectors: list[torch.Tensor] = field(default_factory=list)  #: tier 3: ``[layers, seen]`` float16 each
     drafts: list[tuple[int, int, int, int]] = field(default_factory=list)  #: per drafted token: (forward, step, position, token_id)
     _t0: float = 0.0
+    _carried_colsum: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, n]`` of earlier chunks
+    _carried_window: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, w, n]`` rows of earlier chunks
     _plan: LayerPlan | None = None
     _recording_plan: LayerPlan | None = None
 
@@ -139,7 +153,17 @@ class RunContext:
         self._plan = self._recording_plan = None
         self.prompt_forward = seen < self.input_len
         self.step = max(0, seen + 1 - self.input_len)
-        self.evicting = self.policy.evicts and not (self.compress_once and self.forward_index > 0)
+        context_end = self.compress_len if self.compress_once and self.compress_len is not None else self.input_len
+        region_end = context_end if seen < context_end else self.input_len  # the context, else the prompt
+        self.partial_prefill = self.prompt_forward and seen + q_len < region_end
+        self.choosing_layer = seen < context_end <= seen + q_len
+        self.prefill_rows = (seen, region_end)
+        if self.compress_once:
+            scoring = seen < context_end  # only the context is compressed
+        else:
+            scoring = True
+        self.evicting = self.policy.evicts and scoring and not self.partial_prefill
+        self.carrying = self.policy.evicts and scoring and self.partial_prefill
         # Tokens fed beyond the one(s) this forward must process are speculative drafts.
         self.drafts_in_forward = max(0, q_len - max(1, self.input_len - seen))
         self.draft_tokens += self.drafts_in_forward
@@ -150,7 +174,7 @@ class RunContext:
             first = seen + q_len - self.drafts_in_forward
             ids = input_ids[0, -self.drafts_in_forward:].tolist() if input_ids is not None else [-1] * self.drafts_in_forward
             self.drafts.extend((self.forward_index, self.step, first + i, token) for i, token in enumerate(ids))
-        if self.tier >= 3:
+        if self.tier >= 3 and not self.partial_prefill:
             self.step_vectors.append(torch.zeros(self.num_layers, seen + q_len, dtype=torch.float16))
         self._t0 = time.perf_counter()
 
@@ -181,7 +205,8 @@ class RunContext:
         else:
             self.decode_s += elapsed
             self.decode_forwards += 1
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        if not self.partial_prefill:  # held after each step (a prefill's transient before compression is not)
+            self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
 
     def _choose_layer(self) -> None:
         """``auto``: keep the layer with the highest top-k mass (ties: the lower layer); drop the others' records."""
@@ -197,7 +222,7 @@ class RunContext:
 
     def records(self, layer: int) -> bool:
         """True when layer ``layer`` records importance this forward (before ``auto`` chooses: every layer)."""
-        if self.tier < 2:
+        if self.tier < 2 or self.partial_prefill:
             return False
         return self.recorded_layers is None or layer in self.recorded_layers
 
@@ -223,13 +248,19 @@ class RunContext:
         if self._plan is None:
             policy = self.policy
             signal = Signal.NONE
-            if self.evicting:
+            if self.evicting or self.carrying:
                 signal = policy.prefill_signal if self.prompt_forward else policy.decode_signal
+            first, region_end = self.prefill_rows
+            window_rows = 0
+            if signal is Signal.WINDOW:  # this forward's rows among the region's last ``window`` rows
+                window_rows = max(0, min(q, first + q - max(first, region_end - policy.window_rows())))
             self._plan = LayerPlan(
-                last_row=signal is Signal.LAST_ROW,
-                window_rows=policy.window_rows() if signal is Signal.WINDOW else 0,
-                colsum_stride=policy.colsum_stride(q) if signal is Signal.COLSUM else 0,
+                last_row=signal is Signal.LAST_ROW and not self.carrying,
+                window_rows=window_rows,
+                colsum_stride=policy.colsum_stride(region_end) if signal is Signal.COLSUM and self.prompt_forward
+                else (policy.colsum_stride(q) if signal is Signal.COLSUM else 0),
                 topk=None if self.prompt_forward else (policy.budget if policy.attends_topk else self.attention_topk),
+                colsum_last=region_end - 1 - first if self.prompt_forward else q - 1,
             )
         return self._plan
 
@@ -247,14 +278,18 @@ class RunContext:
         cache_layer = self.cache.layers[layer]
         positions = cache_layer.positions
         assert positions is not None
+        if self.carrying:  # an earlier prefill chunk: keep its signals for the chunk that completes the prefill
+            self._carry(layer, seen)
+            return
         if seen.last_row is not None and self.records(layer):
             self._record_importance(layer, positions, seen.last_row)
-            if self.recorded_layers is None and self.forward_index == 0:
+            if self.recorded_layers is None and self.choosing_layer:
                 self.layer_mass[layer] = topk_mass(seen.last_row, self.auto_k)
         if seen.attended is not None and self.tier >= 1:
             self._record_skips(layer, positions, seen.attended, seen.skipped)
         if not self.evicting:
             return
+        self._add_carried(layer, seen)
         # The policy's own signal: the window vote, else column sums, else the newest row.
         signal = next((x for x in (seen.window, seen.colsum, seen.last_row) if x is not None), None)
         obs = Observation(
@@ -271,10 +306,27 @@ class RunContext:
         if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
             scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                              positions >= cache_layer.seen - self.drafts_in_forward)
-        keep = select_keep(scores, budget)
+        keep = select_keep(scores, budget, positions)
         evicted_slots, evicted_positions = cache_layer.compact(keep)
         if self.tier >= 1:
             self.evictions.add(self.step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+
+    def _carry(self, layer: int, seen: LayerSignals) -> None:
+        if seen.colsum is not None:
+            carried = self._carried_colsum.get(layer)
+            self._carried_colsum[layer] = seen.colsum if carried is None else _pad_keys(carried, seen.colsum.shape[-1]) + seen.colsum
+        if seen.window is not None:
+            carried = self._carried_window.get(layer)
+            n = seen.window.shape[-1]
+            self._carried_window[layer] = seen.window if carried is None else torch.cat([_pad_keys(carried, n), seen.window], dim=2)
+
+    def _add_carried(self, layer: int, seen: LayerSignals) -> None:
+        """The completing chunk's signals plus what the earlier chunks carried (rows over fewer keys pad with 0)."""
+        colsum, window = self._carried_colsum.pop(layer, None), self._carried_window.pop(layer, None)
+        if colsum is not None and seen.colsum is not None:
+            seen.colsum = _pad_keys(colsum, seen.colsum.shape[-1]) + seen.colsum
+        if window is not None and seen.window is not None:
+            seen.window = torch.cat([_pad_keys(window, seen.window.shape[-1]), seen.window], dim=2)
 
     def _record_importance(self, layer: int, positions: torch.Tensor, last_row: torch.Tensor) -> None:
         per_slot = group_mean(last_row, self.kv_heads)[0].float()  # [kv_heads, n]
@@ -299,3 +351,8 @@ class RunContext:
         if self.tier >= 3:
             left_out = positions[0][~attended[0]].reshape(positions.shape[1], -1)
             self.skips.add(self.step, layer, left_out, None)
+
+
+def _pad_keys(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Zero-pad the last (key) axis of ``x`` to ``n`` (rows of an earlier chunk never saw the later keys)."""
+    return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))

@@ -2,9 +2,11 @@
 
 The engine wraps one model: it switches that model (and only it) to the registered attention
 function and registers, once per model, hooks that forward to the :class:`RunContext` active on the
-calling thread; each call builds a fresh context, so concurrent runs on one model stay apart. Generation itself is plain
-``model.generate(do_sample=False)``, so with the ``dense`` policy the tokens are exactly those of
-plain generation; everything SparSEEty adds happens beside the computation.
+calling thread (or, in a packed forward, to each sequence's own context); each request gets a fresh
+context, so concurrent runs on one model stay apart. ``generate`` is plain
+``model.generate(do_sample=False)`` for one sequence (so with the ``dense`` policy the tokens are
+exactly those of plain generation); ``generate_batch`` and :class:`BatchEngine` run many sequences
+as one continuous batch. Everything SparSEEty adds happens beside the computation.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ import numpy as np
 import torch
 
 from sparseety.engine.attention import ATTENTION_NAME
+from sparseety.engine.batch import BatchEngine, generate_batch
 from sparseety.engine.cache import SparseCache
 from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
 from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.layers import LayerSelection, parse_layers
+from sparseety.engine.packed import SplitProbes, active_packed
 from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
 from sparseety.engine.provenance import provenance
 from sparseety.engine.prune import PruneRun, install_layer_hooks
+from sparseety.engine.request import GenerationOptions
 from sparseety.engine.result import RunResult
+from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from sparseety.errors import InputError
 from sparseety.policies.base import Policy
 from sparseety.policies.prune import PruneSchedule
@@ -97,30 +103,16 @@ class SparseEngine:
         attention_topk : while decoding, attend only to this many highest-scoring held slots per KV head,
             under any evicting policy (``topk_attention`` is this with no eviction).
         """
-        if tier not in (0, 1, 2, 3):
-            raise InputError(f"tier must be 0, 1, 2 or 3, got {tier}")
-        if not 0.0 <= min_score < 1.0:
-            raise InputError(f"min_score must be in [0, 1), got {min_score}")
-        if max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        options = GenerationOptions(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, prune=prune,
+                                    attention_topk=attention_topk, layers=layers, min_score=min_score)
         if speculative is not None:
             self._check_speculative(speculative, encoded, policy)
-        selection = parse_layers(layers, self.num_layers)
-        if prune is not None:
-            prune.check_layers(self.num_layers)
-            prune.check_prompt(encoded.compress_len or encoded.input_len)
+        self.check_request(encoded, policy, options)
         input_ids = encoded.input_ids
-        if self.max_positions and encoded.input_len + max_new_tokens > self.max_positions:
-            raise InputError(
-                f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
-                f"the model's context of {self.max_positions} tokens"
-            )
         with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer,
-                           prune=prune, layers=selection, top_k=top_k, attention_topk=attention_topk) as ctx:
-            if encoded.compress_len is not None:
-                ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
+                           prune=prune, layers=layers, top_k=top_k, attention_topk=attention_topk) as ctx:
+            if encoded.compress_len is not None:  # the context is prefilled (and compressed) on its own
                 self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
-                ctx.input_len = encoded.input_len
             kwargs: dict[str, Any] = {}
             if speculative:
                 kwargs["prompt_lookup_num_tokens"] = speculative
@@ -134,7 +126,82 @@ class SparseEngine:
                 streamer=streamer,
                 **kwargs,
             )
-        return self._result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
+        return self.build_result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
+
+    def generate_batch(
+        self,
+        inputs: Sequence[EncodedInput],
+        policies: Policy | Sequence[Policy],
+        options: GenerationOptions | Sequence[GenerationOptions] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        kv_memory_limit: int | None = None,
+    ) -> list[RunResult]:
+        """Generate greedily for many inputs as one continuous batch (see :class:`BatchEngine`).
+
+        Parameters
+        ----------
+        inputs : token ids per request.
+        policies : one policy for all, or one per input (a batch may mix policies and budgets).
+        options : one :class:`GenerationOptions` for all, or one per input.
+        max_batch : sequences decoded together; prefill_chunk : prompt tokens prefilled per step.
+        kv_memory_limit : bytes of KV the running requests may reserve (worst case per request).
+
+        Returns
+        -------
+        One :class:`RunResult` per input, in order; each equals what that input gives alone.
+        """
+        return generate_batch(self, inputs, policies, options, request_ids=request_ids, max_batch=max_batch,
+                              prefill_chunk=prefill_chunk, kv_memory_limit=kv_memory_limit)
+
+    def batch(self, **kwargs: Any) -> BatchEngine:
+        """A step-level :class:`BatchEngine` over this model (what the server drives)."""
+        return BatchEngine(self, **kwargs)
+
+    # -- pieces shared by generate and the batched engine ------------------------------------------
+    def check_request(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions) -> None:
+        """Raise :class:`InputError` for options this model or prompt cannot run."""
+        parse_layers(options.layers, self.num_layers)
+        if options.prune is not None:
+            options.prune.check_layers(self.num_layers)
+            options.prune.check_prompt(encoded.compress_len or encoded.input_len)
+        self._check_topk(policy, options.attention_topk)
+        if self.max_positions and encoded.input_len + options.max_new_tokens > self.max_positions:
+            raise InputError(
+                f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({options.max_new_tokens}) exceeds "
+                f"the model's context of {self.max_positions} tokens"
+            )
+
+    def reserved_kv_bytes(self, encoded: EncodedInput, policy: Policy, max_new_tokens: int) -> int:
+        """Worst-case KV bytes of one request: per layer, the slots it may hold once the prompt is in.
+
+        Dense (and non-evicting) policies hold every token the cache sees (prompt + ``max_new_tokens``
+        - 1); an evicting policy holds at most its layer budget plus the one token a decode step
+        appends before it evicts (never more than the tokens seen).
+        """
+        seen = encoded.input_len + max_new_tokens - 1
+        slots = 0
+        for layer in range(self.num_layers):
+            budget = policy.layer_budget(layer, self.num_layers, seen) if policy.evicts else None
+            slots += seen if budget is None else min(seen, budget + 1)
+        element = next(self.model.parameters()).element_size()
+        return 2 * slots * self.kv_heads * self.head_dim * element
+
+    def new_context(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions,
+                    on_prefill_layer: Callable[[int, int], None] | None = None) -> RunContext:
+        """A fresh :class:`RunContext` (with an empty ``SparseCache``) for one request."""
+        return RunContext(
+            policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
+            kv_heads=self.kv_heads, tier=options.tier, input_len=encoded.input_len,
+            compress_once=encoded.compress_len is not None, compress_len=encoded.compress_len, seed=options.seed,
+            on_prefill_layer=on_prefill_layer,
+            probes=ModuleProbes() if options.tier >= 2 else None,
+            prune=PruneRun(options.prune, self.num_layers) if options.prune is not None else None,
+            layers=parse_layers(options.layers, self.num_layers), auto_k=options.top_k,
+            attention_topk=options.attention_topk,
+        )
 
     @contextlib.contextmanager
     def open_run(
@@ -158,23 +225,23 @@ class SparseEngine:
         """
         if prune is not None:
             prune.check_layers(self.num_layers)
-        if attention_topk is not None:
-            if attention_topk <= 0:
-                raise InputError(f"attention_topk must be a positive number of slots, got {attention_topk}")
-            if policy.attends_topk:
-                raise InputError(f"policy {policy.name!r} already attends to its top {policy.budget} slots; "
-                                 "attention_topk composes with the other policies")
+        self._check_topk(policy, attention_topk)
         torch.manual_seed(seed)
-        ctx = RunContext(
-            policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
-            kv_heads=self.kv_heads, tier=tier, input_len=encoded.input_len,
-            compress_once=encoded.compress_len is not None, seed=seed, on_prefill_layer=on_prefill_layer,
-            probes=ModuleProbes() if tier >= 2 else None,
-            prune=PruneRun(prune, self.num_layers) if prune is not None else None,
-            layers=parse_layers(layers, self.num_layers), auto_k=top_k, attention_topk=attention_topk,
-        )
+        options = GenerationOptions(tier=tier, top_k=top_k, seed=seed, prune=prune, attention_topk=attention_topk,
+                                    layers=layers)
+        ctx = self.new_context(encoded, policy, options, on_prefill_layer)
         with activate(ctx), torch.inference_mode():
             yield ctx
+
+    @staticmethod
+    def _check_topk(policy: Policy, attention_topk: int | None) -> None:
+        if attention_topk is None:
+            return
+        if attention_topk <= 0:
+            raise InputError(f"attention_topk must be a positive number of slots, got {attention_topk}")
+        if policy.attends_topk:
+            raise InputError(f"policy {policy.name!r} already attends to its top {policy.budget} slots; "
+                             "attention_topk composes with the other policies")
 
     def _check_speculative(self, speculative: int, encoded: EncodedInput, policy: Policy) -> None:
         """Prompt lookup needs room for its drafts and an empty cache at its first step."""
@@ -188,14 +255,14 @@ class SparseEngine:
         if policy.evicts and smallest is not None and speculative >= smallest:
             raise InputError(f"speculative ({speculative}) must be smaller than the smallest layer budget ({smallest})")
 
-    def _result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
+    def build_result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
                 tier: int, top_k: int, request_id: str | None, min_score: float = 0.0) -> RunResult:
         prompt_ids = encoded.input_ids[0].tolist()
         output_ids = sequences[0, encoded.input_len:].tolist()
         token_ids = np.asarray(prompt_ids + output_ids, dtype=np.int64)
         cache = ctx.cache
         seen = cache.layers[0].seen
-        element = cache.layers[0].keys.element_size() if cache.layers[0].keys is not None else 4
+        element = next(self.model.parameters()).element_size()
         arrays: dict[str, np.ndarray] = {}
         kept: dict[str, dict[str, list[int]]] | None = None
         records = []
@@ -212,7 +279,7 @@ class SparseEngine:
         if tier >= 2:
             kept = {
                 str(layer): {str(h): row.tolist() for h, row in enumerate(positions[0])}
-                for layer, positions in enumerate(cache.kept_positions())
+                for layer, positions in enumerate(cache.kept_positions()) if positions is not None
             }
             if ctx.importance is not None:
                 importance = ctx.importance[:, :seen]
@@ -277,19 +344,35 @@ def _install_hooks(model: torch.nn.Module) -> None:
         return
 
     def begin(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        packed = active_packed()
+        if packed is not None:
+            for segment in packed.segments:
+                segment.ctx.begin_forward(segment.length, ids[:, segment.start : segment.start + segment.length])
+            return
         ctx = active_context()
         if ctx is None:
             return
-        ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ctx.begin_forward(int(kwargs["inputs_embeds"].shape[1]))
         else:
             ctx.begin_forward(int(ids.shape[1]), ids)
 
     def end(*_: Any) -> None:
+        packed = active_packed()
+        if packed is not None:
+            for segment in packed.segments:
+                segment.ctx.end_forward()
+            return
         ctx = active_context()
         if ctx is not None:
             ctx.end_forward()
+
+    def active_probes() -> ModuleProbes | SplitProbes | None:
+        packed = active_packed()
+        if packed is not None:
+            return SplitProbes(packed)
+        return getattr(active_context(), "probes", None)
 
     def active_prune() -> tuple[PruneRun, SparseCache] | None:
         ctx = active_context()
@@ -297,7 +380,7 @@ def _install_hooks(model: torch.nn.Module) -> None:
 
     model.register_forward_pre_hook(begin, with_kwargs=True)
     model.register_forward_hook(end)
-    attach_probe_hooks(model, lambda: getattr(active_context(), "probes", None))
+    attach_probe_hooks(model, active_probes)
     install_layer_hooks(model, active_prune)
     setattr(model, _HOOKED, True)
 

@@ -1,8 +1,8 @@
 """The policy contract: a small, pure scorer plus one shared, deterministic selection rule.
 
 A policy sees one layer at a time through an :class:`Observation` and returns a score per cache
-slot (higher means keep). Slots are always stored in ascending position order, so a stable
-descending sort keeps the lower position among equal scores. Protected slots (attention sinks,
+slot (higher means keep). Slots are not always in position order (the cache reuses freed slots), so
+selection orders ties by position: the lower position is kept among equal scores. Protected slots (attention sinks,
 recent windows) get ``+inf`` and are never evicted while the budget allows.
 """
 
@@ -42,7 +42,8 @@ class Observation:
     num_layers : number of layers in the model.
     step : output tokens already produced (0 during prefill).
     prefill : True for the forward that processed the prompt.
-    positions : ``[b, kv_heads, n]`` original token position of every slot, ascending.
+    positions : ``[b, kv_heads, n]`` original token position of every slot (not necessarily ascending:
+        the prefill's slots are, later slots may have been reused).
     keys : ``[b, kv_heads, n, d]`` cached keys (RoPE applied).
     attention : probabilities as requested by the policy's signal, already averaged over the query
         heads of each KV group: ``[b, kv_heads, n]`` (LAST_ROW, COLSUM) or ``[b, kv_heads, w, n]``
@@ -130,25 +131,31 @@ def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(mask, float("inf"))
 
 
-def select_keep(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """Indices of the ``budget`` best slots per head, ascending (so position order is preserved).
+def select_keep(scores: torch.Tensor, budget: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the ``budget`` best slots per head, ascending; ties go to the lower position.
 
     Parameters
     ----------
-    scores : ``[b, kv_heads, n]``; slots are in ascending position order, so ties go to the lower position.
+    scores : ``[b, kv_heads, n]``.
     budget : slots to keep, ``<= n``.
+    positions : ``[b, kv_heads, n]`` original position of every slot (a ``SparseCache`` reuses freed
+        slots, so slot order is not position order); None: slots are in ascending position order.
 
     Returns
     -------
     ``[b, kv_heads, budget]`` long slot indices, sorted ascending.
     """
     n = scores.shape[-1]
-    if n - budget == 1:  # the common decode step: drop the highest slot among the lowest scores
-        evict = (n - 1) - scores.flip(-1).argmin(dim=-1, keepdim=True)
+    if positions is None:
+        positions = torch.arange(n, device=scores.device).expand(scores.shape)
+    if n - budget == 1:  # the common decode step: drop the newest slot among the lowest scores
+        lowest = scores == scores.amin(dim=-1, keepdim=True)
+        evict = torch.where(lowest, positions, -1).argmax(dim=-1, keepdim=True)
         slots = torch.arange(n - 1, device=scores.device).expand(*scores.shape[:-1], n - 1)
         return slots + (slots >= evict).long()
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    return order[..., :budget].sort(dim=-1).values
+    by_position = positions.argsort(dim=-1, stable=True)
+    order = torch.sort(scores.gather(-1, by_position), dim=-1, descending=True, stable=True).indices
+    return by_position.gather(-1, order[..., :budget]).sort(dim=-1).values
 
 
 def check_positive_int(policy: str, field: str, value: Any, minimum: int = 1) -> None:

@@ -1,0 +1,88 @@
+"""A request in the batched engine: its inputs, options, status and token lifecycle (as vLLM's ``Request``)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sparseety.engine.context import RunContext
+from sparseety.engine.inputs import EncodedInput
+from sparseety.engine.layers import LayerSelection
+from sparseety.errors import InputError
+from sparseety.policies.base import Policy
+from sparseety.policies.prune import PruneSchedule
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting for admission, prefilling its prompt, decoding, or finished."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED_STOPPED = "stop"  #: an end-of-sequence token
+    FINISHED_LENGTH = "length"  #: ``max_new_tokens`` reached
+    FINISHED_ABORTED = "abort"  #: cancelled (client left, server shutting down)
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Per-request generation and tracing options (see :meth:`SparseEngine.generate` for each)."""
+
+    max_new_tokens: int = 64
+    tier: int = 2
+    top_k: int = 16
+    seed: int = 0
+    prune: PruneSchedule | None = None
+    attention_topk: int | None = None
+    layers: str | Sequence[int] | LayerSelection | None = None
+    min_score: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tier not in (0, 1, 2, 3):
+            raise InputError(f"tier must be 0, 1, 2 or 3, got {self.tier}")
+        if not 0.0 <= self.min_score < 1.0:
+            raise InputError(f"min_score must be in [0, 1), got {self.min_score}")
+        if self.max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+
+
+@dataclass
+class Request:
+    """One sequence in the batched engine.
+
+    ``fed`` counts the prompt tokens already prefilled; ``output_ids`` grows by one token per step
+    once the prompt is in. ``reserved_bytes`` is its worst-case KV footprint, held by the scheduler
+    from admission until it finishes.
+    """
+
+    request_id: str
+    encoded: EncodedInput
+    policy: Policy
+    options: GenerationOptions
+    reserved_bytes: int
+    status: RequestStatus = RequestStatus.WAITING
+    ctx: RunContext | None = None
+    fed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.encoded.input_len
+
+    def region_end(self) -> int:
+        """Where the current prefill region ends: the context (long-document protocol), else the prompt."""
+        compress = self.encoded.compress_len
+        return compress if compress is not None and self.fed < compress else self.prompt_len
+
+    def whole_region(self) -> bool:
+        """True when the region must be prefilled in one forward (token pruning cuts rows inside it)."""
+        return self.options.prune is not None and self.fed == 0
+
+    def next_token_input(self) -> int:
+        """The token a decode step feeds: the newest generated one."""
+        return self.output_ids[-1]
