@@ -179,7 +179,8 @@ def load_scores(path: str | Path) -> np.ndarray | torch.Tensor:
     Raises
     ------
     RecordError
-        Missing file, unsupported type, pickled or malformed content, ambiguous arrays.
+        Missing file, unsupported type, pickled, truncated or malformed content (any failure of the
+        loaders), ambiguous arrays.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -207,6 +208,8 @@ def load_scores(path: str | Path) -> np.ndarray | torch.Tensor:
         raise RecordError(f"{path} is not a plain numeric array file (pickled data is refused): {exc}") from None
     except OSError as exc:
         raise RecordError(f"cannot read {path}: {exc}") from None
+    except Exception as exc:  # not a zip archive, truncated data, a corrupt member: the record's error
+        raise RecordError(f"cannot read {path}: not a valid {suffix} file ({type(exc).__name__}: {exc})") from None
 
 
 def _pick(path: Path, names: list[str]) -> str:
