@@ -54,6 +54,8 @@ class RecordPrinter:
             candidates = values[np.isfinite(values)]  # tokens left out by exclude_special score -inf
             self.scores.setdefault(config.score_type, []).append(candidates)
             return
+        if not result.records:
+            _say_why_none(record, config, result)
         for token in result.records:
             row = {"generation_id": record.generation_id, **token.to_dict()}
             del row["step"]
@@ -113,6 +115,18 @@ class RecordPrinter:
                     cells.append(" ".join(f"{e}:{p:.3f}" for e, p in row.get("experts", [])))
                 table.add_row(*cells)
             console.print(table)
+
+
+def _say_why_none(record: OfflineRecord, config: ExtractionConfig, result: ExtractionResult) -> None:
+    """One ``warning:`` line saying why a record gave no token (instead of silence)."""
+    values = result.token_scores.detach().flatten().float().cpu().numpy()
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        why = "it has no token to rank (empty, or every token left out as special)"
+    else:
+        why = (f"no token's score reached min_score {config.min_score:g} (highest {float(values.max()):.4g}, "
+               f"normalize {config.normalize}); lower --min-score or check the scores' sign")
+    print(f"warning: {record.source}: no important token: {why}", file=sys.stderr)
 
 
 def _cell(value: int | None) -> str:
