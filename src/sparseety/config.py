@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -18,6 +17,15 @@ from pydantic import (
 )
 
 from sparseety.errors import ConfigError
+from sparseety.yaml_strict import line_of, load_yaml
+
+
+class _Invalid(ConfigError):
+    """A :class:`ConfigError` that keeps pydantic's errors, so a file loader can add each key's line."""
+
+    def __init__(self, message: str, validation: ValidationError) -> None:
+        super().__init__(message)
+        self.validation = validation
 
 
 class ValidatedConfig(BaseModel):
@@ -32,7 +40,7 @@ class ValidatedConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError(_describe(type(self), exc)) from None
+            raise _Invalid(_describe(type(self), exc), exc) from None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Self:
@@ -46,30 +54,38 @@ class ValidatedConfig(BaseModel):
         """Load from a YAML file holding one mapping (an empty file gives the defaults)."""
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from None
+        data = load_yaml(text, str(path))
+        data = {} if data is None else data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: {cls.__name__} must be a mapping of field names, got {type(data).__name__}")
         try:
-            return cls.from_mapping({} if data is None else data)
+            return cls(**{str(key): value for key, value in data.items()})
+        except _Invalid as exc:
+            raise ConfigError(f"{path}: {_describe(cls, exc.validation, text)}") from None
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
 
 
-def _describe(model: type[BaseModel], exc: ValidationError) -> str:
-    """One line per problem, each naming the field and what it accepts."""
+def _describe(model: type[BaseModel], exc: ValidationError, text: str | None = None) -> str:
+    """One line per problem, each naming the field and what it accepts (and its line in ``text``)."""
     problems = []
     for err in exc.errors(include_url=False):
         field = ".".join(str(part) for part in err["loc"])
+        where = line_of(text, [str(part) for part in err["loc"]]) if text is not None and field else None
+        at = f" (line {where})" if where else ""
         if err["type"] == "extra_forbidden":
             known = ", ".join(model.model_fields)
-            problems.append(f"unknown key {field!r} (known keys: {known})")
+            problems.append(f"unknown key {field!r}{at} (known keys: {known})")
         elif not field:  # a cross-field check
             problems.append(str(err.get("ctx", {}).get("error", err["msg"])))
         else:
             allowed = err["msg"].replace("Input should be", "must be")
-            problems.append(f"{field} {allowed}, got {err['input']!r}")
+            problems.append(f"{field} {allowed}, got {err['input']!r}{at}")
     return f"invalid {model.__name__}: " + "; ".join(problems)
 
 

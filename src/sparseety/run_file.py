@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -35,6 +34,8 @@ from pydantic import (
 )
 
 from sparseety.errors import ConfigError
+from sparseety.run_file_checks import check_values
+from sparseety.yaml_strict import line_of, load_yaml
 
 
 class _Section(BaseModel):
@@ -115,19 +116,25 @@ class RunFile(_Section):
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
-            data = yaml.safe_load(text)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from None
+        data = load_yaml(text, str(path))
         if data is None:
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: a config file holds one mapping of sections, got {type(data).__name__}")
         try:
-            return cls(**data)
+            loaded = cls(**{str(key): value for key, value in data.items()})
         except ValidationError as exc:
             raise ConfigError(f"{path}: " + "; ".join(_problems(exc, text))) from None
+        problem = check_values(loaded)
+        if problem is not None:
+            key, message = problem
+            where = line_of(text, key.split("."))
+            raise ConfigError(f"{path}: {key}: {message}" + (f" (line {where})" if where else ""))
+        return loaded
 
     def flag_values(self, num_layers: int | None = None) -> dict[str, tuple[tuple[str, ...], Any]]:
         """What this file sets: ``{file key: (command parameter names that take it, value)}``.
@@ -181,7 +188,7 @@ def _problems(exc: ValidationError, text: str) -> list[str]:
     for err in exc.errors(include_url=False):
         loc = [str(part) for part in err["loc"] if not str(part).startswith(("function-", "literal[", "list[", "str", "bool", "int", "float"))]
         key = ".".join(loc)
-        where = _line_of(text, loc)
+        where = line_of(text, loc)
         at = f" (line {where})" if where else ""
         if err["type"] == "extra_forbidden":
             section = _section_model(loc[:-1])
@@ -205,25 +212,6 @@ def _section_model(loc: list[str]) -> type[BaseModel] | None:
             return None
         model = annotation
     return model
-
-
-def _line_of(text: str, loc: list[str]) -> int | None:
-    """1-based line of the key at ``loc`` in the YAML ``text`` (None when not found)."""
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
-        return None
-    line = None
-    for part in loc:
-        if not isinstance(node, yaml.MappingNode):
-            break
-        for key_node, value_node in node.value:
-            if key_node.value == part:
-                line, node = key_node.start_mark.line + 1, value_node
-                break
-        else:
-            break
-    return line
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,0 +1,72 @@
+"""Checks of a run configuration file's values that the command-line parsers would otherwise make,
+so a bad value is reported with its key path and line, never under a flag's name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparseety.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sparseety.run_file import RunFile
+
+_FLAG_PREFIX = re.compile(r"^(--[a-z-]+|prune schedule|prune):\s*")
+
+
+def check_values(run_file: RunFile) -> tuple[str, str] | None:
+    """The first bad value as ``(key path, message)``; None when every value parses."""
+    for key, check in (("extraction.layers", _layers), ("sparsity.token_pruning", _pruning),
+                       ("sparsity.policy_opts", _policy_opts), ("logging.output_file", _output_file)):
+        try:
+            check(run_file)
+        except ConfigError as exc:
+            return key, _FLAG_PREFIX.sub("", str(exc))
+    return None
+
+
+def _layers(run_file: RunFile) -> None:
+    from sparseety.engine.layers import parse_layers
+
+    layers = run_file.extraction.layers
+    if layers is not None:
+        parse_layers(layers)
+
+
+def _pruning(run_file: RunFile) -> None:
+    from sparseety.policies.prune import parse_prune_schedule
+
+    if isinstance(run_file.sparsity.token_pruning, str):
+        parse_prune_schedule(run_file.sparsity.token_pruning)
+
+
+def _policy_opts(run_file: RunFile) -> None:
+    from sparseety.policies.registry import build_policy, get_policy_class, policy_options
+
+    sparsity = run_file.sparsity
+    if not sparsity.policy_opts or sparsity.policy is None:
+        return
+    known = policy_options(get_policy_class(sparsity.policy))
+    for key in sparsity.policy_opts:
+        if key not in known:
+            raise ConfigError(f"policy {sparsity.policy} has no option {key!r}; valid options: "
+                              f"{', '.join(known) or 'none'}")
+    try:
+        build_policy(sparsity.policy, sparsity.kv_cache_limit or 1, dict(sparsity.policy_opts))
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _output_file(run_file: RunFile) -> None:
+    name = run_file.logging.output_file
+    if name is None:
+        return
+    if not name.strip():
+        raise ConfigError("is empty; give a file name")
+    path = Path(name)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; give a file name")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{parent} is a file, not a folder")
