@@ -37,6 +37,16 @@ def check_metric(metric: str, threshold: float) -> None:
         raise ConfigError(f"--threshold for {metric} must be >= {low:g}{upper}, got {threshold:g}")
 
 
+def check_tunable(policy: str) -> None:
+    """Refuse a policy that never evicts: every budget keeps the whole cache, so any answer is meaningless."""
+    from sparseety.policies.registry import get_policy_class, list_policies
+
+    if not get_policy_class(policy).evicts:
+        evicting = ", ".join(cls.name for cls in list_policies() if cls.evicts)
+        raise ConfigError(f"policy {policy!r} never evicts, so its budget changes nothing and no budget can be "
+                          f"tuned; tune a policy that evicts: {evicting}")
+
+
 def meets(metric: str, value: float, threshold: float) -> bool:
     """Whether ``value`` meets the bar (>= for agreement and accuracy, <= for KL)."""
     return value >= threshold if METRICS[metric][0] else value <= threshold
@@ -140,6 +150,7 @@ def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metr
     from sparseety.policies import build_policy
 
     check_metric(metric, threshold)
+    check_tunable(policy)
     if metric == "passkey":
         raise ConfigError("the passkey metric builds its own cases; use tune_passkey")
     options = options or {}
@@ -169,6 +180,7 @@ def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str
     from sparseety.policies import build_policy
 
     check_metric("passkey", threshold)
+    check_tunable(policy)
     if not cases:
         raise ConfigError("the passkey metric needs at least one case")
     options = options or {}

@@ -48,7 +48,7 @@ def tune_cmd(
     as_json: bool = opt.JSON_OPT,
 ) -> None:
     """Bisect the budget: evaluate the policy at a few budgets and print the curve and the smallest one that meets the bar."""
-    from sparseety.analysis.tune import check_metric, tune_fidelity, tune_passkey
+    from sparseety.analysis.tune import check_metric, check_tunable, tune_fidelity, tune_passkey
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
     from sparseety.models import load_model
@@ -56,6 +56,7 @@ def tune_cmd(
     check_metric(metric, threshold)
     if policy is None:
         raise InputError("give --policy (or sparsity.policy in --config): the policy whose budget is tuned")
+    check_tunable(policy)
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt,
                        prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
     if max_new_tokens <= 0:
