@@ -17,7 +17,7 @@ from sparseety.errors import InputError
 def export_command(
     output_format: str = typer.Option("jsonl", "--format", help="jsonl (the only format)."),
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help=TRACE_DIR_HELP),
-    out: Path | None = typer.Option(None, "-o", "--output", help="Write here instead of stdout."),
+    out: Path | None = typer.Option(None, "-o", "--output", help="Write here instead of stdout (missing folders are created)."),
     table: list[str] = typer.Option([], "--table", help="Only this table (repeatable) [default: all four]."),
     request_id: str | None = typer.Option(None, "--request-id", help="Only this request's rows."),
 ) -> None:
@@ -31,8 +31,11 @@ def export_command(
     if out is None:
         export_jsonl(trace_dir, sys.stdout, tables=tables, request_id=request_id)
         return
+    if out.is_dir():
+        raise InputError(f"cannot write {out}: it is a directory; give a file name")
     tmp = out.with_name(f".{out.name}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # as report -o and tune --out do
         with tmp.open("w", encoding="utf-8") as handle:
             counts = export_jsonl(trace_dir, handle, tables=tables, request_id=request_id)
         tmp.replace(out)
