@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import time
 
@@ -114,14 +116,14 @@ def test_a_client_leaving_a_stream_stops_its_generation(server):
                       timeout=120) as response:
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"][0]["text"]
-    deadline = time.monotonic() + 120  # a hang guard: the worker must come free
-    while server.state.scheduler.running and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # a hang guard: the request must leave the batch
+    while server.state.loop.running and time.monotonic() < deadline:
         time.sleep(0.05)
     after = scrape(server.url)
     assert after.get("sparseety:request_aborted_total{reason=client_disconnected}", 0) - before.get(
         "sparseety:request_aborted_total{reason=client_disconnected}", 0) == 1
     assert after["sparseety:generation_tokens_total{}"] == before["sparseety:generation_tokens_total{}"]
-    assert server.state.scheduler.waiting == 0 and server.state.scheduler.running == 0
+    assert server.state.loop.waiting == 0 and server.state.loop.running == 0
 
 
 def test_audit_usage_agrees_with_the_servers_prompt_counts(server, tmp_path):
@@ -360,15 +362,14 @@ def test_oversized_bodies_get_413_declared_or_streamed(server):
 
 
 def test_full_queue_answers_429_at_once(server):
-    scheduler = server.state.scheduler
     before = scrape(server.url).get("sparseety:request_rejected_total{reason=queue_full}", 0.0)
-    for _ in range(3):  # max_concurrency 1 + max_queue 2: every place taken
-        scheduler.admit()
-    try:
-        reply = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
-    finally:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "stream": True}
+    with contextlib.ExitStack() as streams:  # max_concurrency 1 + max_queue 2: three streams take every place
         for _ in range(3):
-            scheduler.release()
+            streams.enter_context(httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120,
+                                               headers={"Authorization": f"Bearer {KEY}"}))
+        assert server.state.loop.running + server.state.loop.waiting == 3
+        reply = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
     error = _error(reply, 429, None)
     assert error["code"] == "rate_limit_exceeded" and reply.headers["retry-after"] == "1"
     assert scrape(server.url)["sparseety:request_rejected_total{reason=queue_full}"] == before + 1

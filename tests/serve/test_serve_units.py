@@ -1,23 +1,19 @@
-"""Parts of the server on their own: admission, the token streamer, extraction health, config, request ids."""
+"""Parts of the server on their own: the request sink, extraction health, config, request ids."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
-import torch
 
 from sparseety.engine.result import RunResult
 from sparseety.errors import ConfigError
 from sparseety.serve import ServeConfig
 from sparseety.serve.errors import APIError
-from sparseety.serve.execution import finish_reason
 from sparseety.serve.health import extraction_health
 from sparseety.serve.planning import check_request_id
-from sparseety.serve.scheduler import QueueFull, Scheduler
-from sparseety.serve.streaming import TokenStreamer
+from sparseety.serve.engine_loop import RequestSink
 
 
 def _result(prompt_ids, output_ids, importance=None) -> RunResult:
@@ -30,89 +26,42 @@ def _result(prompt_ids, output_ids, importance=None) -> RunResult:
     )
 
 
-def test_scheduler_admits_up_to_workers_plus_queue_then_refuses():
-    scheduler = Scheduler(max_concurrency=1, max_queue=1)
-    gate, started = threading.Event(), threading.Event()
-
-    def blocked() -> str:
-        started.set()
-        gate.wait(10)
-        return "done"
-
-    async def scenario() -> list[object]:
-        scheduler.admit()
-        first = asyncio.ensure_future(scheduler.run(blocked))
-        await asyncio.to_thread(started.wait, 10)
-        scheduler.admit()
-        second = asyncio.ensure_future(scheduler.run(lambda: "second"))
-        await asyncio.sleep(0)
-        seen = [scheduler.running, scheduler.waiting]
-        with pytest.raises(QueueFull):
-            scheduler.admit()
-        gate.set()
-        seen += [await first, await second, scheduler.running, scheduler.waiting]
-        scheduler.admit()  # room again
-        scheduler.release()
-        return seen
-
-    assert asyncio.run(scenario()) == [1, 1, "done", "second", 0, 0]
-    scheduler.shutdown()
-
-
-def test_scheduler_gives_back_the_place_of_a_job_cancelled_before_it_started():
-    scheduler = Scheduler(max_concurrency=1, max_queue=1)
-    gate, started = threading.Event(), threading.Event()
-
-    async def scenario() -> int:
-        scheduler.admit()
-        first = asyncio.ensure_future(scheduler.run(lambda: (started.set(), gate.wait(10))))
-        await asyncio.to_thread(started.wait, 10)
-        scheduler.admit()
-        queued = asyncio.ensure_future(scheduler.run(lambda: "never"))
-        await asyncio.sleep(0.01)
-        queued.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await queued
-        waiting = scheduler.waiting
-        gate.set()
-        await first
-        return waiting
-
-    assert asyncio.run(scenario()) == 0
-    scheduler.shutdown()
-
-
-def test_streamer_pieces_join_to_the_decoded_text_and_never_split_a_character(smollm):
+def test_sink_pieces_join_to_the_decoded_text_and_never_split_a_character(smollm):
     _, tokenizer = smollm
     ids = tokenizer("Grüße aus Köln 世界 🙂 done", add_special_tokens=False)["input_ids"]
 
-    async def scenario() -> list[str | None]:
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
-        streamer = TokenStreamer(tokenizer, asyncio.get_running_loop(), queue)
+    async def scenario() -> tuple[list[str], tuple]:
+        sink = RequestSink(tokenizer, asyncio.get_running_loop(), stream=True)
 
-        def feed() -> None:
-            streamer.put(torch.tensor([[5, 6, 7]]))  # the prompt: skipped
-            for token in ids:
-                streamer.put(torch.tensor([token]))
-            streamer.end()
+        def feed() -> None:  # the engine loop's thread: one token per step
+            for step, token in enumerate(ids):
+                sink.token(token, float(step))
+            sink.finish(_result([5, 6], ids), "length")
 
         await asyncio.to_thread(feed)
         pieces = []
-        while (piece := await queue.get()) is not None:
+        while (piece := await sink.pieces.get()) is not None:
             pieces.append(piece)
-        assert len(streamer.times.stamps) == len(ids)
-        assert len(streamer.times.gaps()) == len(ids) - 1
-        return pieces
+        assert sink.times.stamps == [float(i) for i in range(len(ids))]
+        assert sink.times.gaps() == [1.0] * (len(ids) - 1)
+        result, reason = await sink.done
+        return pieces, (result.output_ids, reason)
 
-    pieces = asyncio.run(scenario())
+    pieces, (output, reason) = asyncio.run(scenario())
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
     assert not any(piece.endswith("\ufffd") for piece in pieces)
+    assert output == ids and reason == "length"
 
 
-def test_streamer_spreads_a_multi_token_step_over_its_tokens():
-    streamer = TokenStreamer(tokenizer=None)
-    streamer.times.stamps.extend([(1.0, 1), (1.6, 3), (2.0, 1)])
-    assert streamer.times.gaps() == pytest.approx([0.2, 0.2, 0.2, 0.4])
+def test_a_failed_sink_ends_its_stream_and_raises():
+    async def scenario() -> None:
+        sink = RequestSink(None, asyncio.get_running_loop(), stream=True)
+        await asyncio.to_thread(sink.fail, ValueError("bad step"))
+        assert await sink.pieces.get() is None
+        with pytest.raises(ValueError, match="bad step"):
+            await sink.done
+
+    asyncio.run(scenario())
 
 
 def test_extraction_health_against_a_hand_computed_example():
@@ -131,12 +80,6 @@ def test_extraction_health_needs_importance():
     assert extraction_health(_result([1, 2], [3]), special_ids=(), top_k=4) is None
 
 
-@pytest.mark.parametrize(("output", "max_tokens", "expected"), [
-    ([5, 6, 2], 8, "stop"), ([5, 6, 7], 3, "length"), ([5, 2], 2, "stop"), ([5], 4, "stop")])
-def test_finish_reason(output, max_tokens, expected):
-    assert finish_reason(_result([1], output), max_tokens, frozenset({2})) == expected
-
-
 @pytest.mark.parametrize("bad", ["", "../etc", ".hidden", "a b", "x" * 129, "é"])
 def test_request_ids_that_could_not_name_a_trace_are_refused(bad):
     with pytest.raises(APIError) as info:
@@ -153,6 +96,10 @@ def test_request_id_accepted():
     ({"sample_rate": 1.5}, "sample_rate"),
     ({"tier": 0}, "tier"),
     ({"max_concurrency": 0}, "max_concurrency"),
+    ({"kv_memory_limit": "lots"}, "kv_memory_limit must be a size such as 512MiB"),
+    ({"kv_memory_limit": "0MiB"}, "kv_memory_limit must be between 1 byte and 1 PiB"),
+    ({"kv_memory_limit": "9" * 30}, "kv_memory_limit must be between 1 byte and 1 PiB"),
+    ({"prefill_chunk": 0}, "prefill_chunk"),
     ({"api_key": "  "}, "api_key is empty"),
     ({"colour": "red"}, "unknown key 'colour'"),
 ])
@@ -164,3 +111,9 @@ def test_serve_config_rejects(settings, message):
 def test_queue_capacity_defaults_to_four_per_worker():
     assert ServeConfig(max_concurrency=3).queue_capacity == 12
     assert ServeConfig(max_concurrency=3, max_queue=0).queue_capacity == 0
+
+
+@pytest.mark.parametrize(("given", "expected"), [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5 GB", 1_500_000_000),
+                                                 ("4096", 4096), (4096, 4096)])
+def test_kv_memory_limit_takes_sizes_as_people_write_them(given, expected):
+    assert ServeConfig(kv_memory_limit=given).kv_memory_limit == expected

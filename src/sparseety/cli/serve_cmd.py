@@ -33,9 +33,15 @@ def serve(
     top_k: int = typer.Option(16, "--top-k", help="Important tokens per layer in traces."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="SPARSEETY_API_KEY",
                                        help="Bearer key for /v1 (also turns the trace endpoints on)."),
-    max_concurrency: int = typer.Option(1, "--max-concurrency", help="Generations running at once."),
+    max_concurrency: int = typer.Option(8, "--max-concurrency", help="Sequences decoded together (one "
+                                        "continuous batch)."),
     max_queue: int | None = typer.Option(None, "--max-queue", help="Requests waiting before 429 (default 4 x "
                                          "--max-concurrency)."),
+    kv_memory_limit: str | None = typer.Option(None, "--kv-memory-limit", help="KV bytes the batch may reserve, "
+                                               "e.g. 512MiB (each request reserves its worst case)."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens prefilled per step."),
+    threads: int | None = typer.Option(None, "--threads", help="Torch threads of the engine loop (default: "
+                                       "cores - 1, at least 1)."),
     max_tokens_limit: int = typer.Option(256, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body (else 413)."),
     redact: bool = typer.Option(False, "--redact", help="Redact e-mails, phone numbers, keys... in stored traces."),
@@ -61,6 +67,7 @@ def serve(
         policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir,
         sample_rate=0.05 if sample_rate is None else sample_rate, tier=tier,
         top_k=top_k, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
+        kv_memory_limit=kv_memory_limit, prefill_chunk=prefill_chunk, threads=threads,
         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, redact=redact, ids_only=ids_only,
         otlp_endpoint=otlp_endpoint, prune_schedule=prune_schedule,
         prune_opts=parse_policy_opts(prune_opt, flag="--prune-opt"), attention_topk=attention_topk, layers=layers,
@@ -69,7 +76,13 @@ def serve(
 
     from sparseety.serve import create_app
 
+    import torch
+
+    torch.set_num_threads(serve_config.torch_threads())
     server_app = create_app(serve_config)
-    print(f"sparseety serve: {model} on http://{host}:{port} (policy {policy}, tracing "
-          f"{'to ' + str(trace_dir) if trace_dir else 'off'})", file=sys.stderr, flush=True)
+    limit = serve_config.kv_memory_limit
+    print(f"sparseety serve: {model} on http://{host}:{port} (policy {policy}, batch of up to "
+          f"{serve_config.max_concurrency} sequences, KV limit {'none' if limit is None else f'{limit} bytes'}, "
+          f"{serve_config.torch_threads()} torch thread(s), tracing {'to ' + str(trace_dir) if trace_dir else 'off'})",
+          file=sys.stderr, flush=True)
     uvicorn.run(server_app, host=host, port=port, log_level=log_level)

@@ -6,9 +6,11 @@ Endpoints: ``GET /health``, ``GET /metrics`` (both open), ``GET /v1/models``, ``
 
 Headers: ``X-Request-Id`` names the request (response ``id``, sampling, trace lookup; echoed back);
 ``X-Sparseety-Trace: 1`` forces a tier-3 trace, like ``"sparsity": {"trace": true}`` in the body.
-Generation is greedy (``temperature``/``top_p`` accepted, ``n`` must be 1) and batch 1 per worker: up to
-``max_concurrency`` requests generate at once on worker threads, ``queue_capacity`` more wait, the rest
-get 429. A client that leaves a stream stops its generation.
+Generation is greedy (``temperature``/``top_p`` accepted, ``n`` must be 1) and continuously batched:
+one engine loop thread owns the model (:mod:`sparseety.serve.engine_loop`); up to ``max_concurrency``
+sequences decode together, admitted while their worst-case KV bytes fit under ``kv_memory_limit``,
+``queue_capacity`` more wait, the rest get 429. Streams send each token when its step ends. A client
+that leaves (stream or not) takes its request out of the batch at the next step.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from sparseety.policies import build_policy, resolve_budget
 from sparseety.serve.auth import check_key, check_trace_access
 from sparseety.serve.config import ServeConfig
 from sparseety.serve.errors import APIError, error_body, install_error_handlers
+from sparseety.engine.request import GenerationOptions
+from sparseety.serve.engine_loop import EngineLoop, QueueFull, RequestSink
 from sparseety.serve.execution import (
     Outcome,
-    eos_ids,
-    execute,
+    finish,
     response_body,
     stream_chunk,
     usage_chunk,
@@ -48,7 +51,6 @@ from sparseety.serve.execution import (
 from sparseety.serve.limits import BodySizeLimit
 from sparseety.serve.metrics import ServeMetrics
 from sparseety.serve.planning import Plan, check_request_id, plan_request
-from sparseety.serve.scheduler import QueueFull, Scheduler
 from sparseety.serve.schemas import (
     ERROR_RESPONSES,
     ChatCompletion,
@@ -59,7 +61,6 @@ from sparseety.serve.schemas import (
     ModelList,
     TraceList,
 )
-from sparseety.serve.streaming import TokenStreamer
 from sparseety.serve.tracing import Tracer
 
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <api key> (when the server has one)")
@@ -72,10 +73,9 @@ class ServerState:
 
     config: ServeConfig
     engine: SparseEngine
-    scheduler: Scheduler
+    loop: EngineLoop
     tracer: Tracer
     metrics: ServeMetrics
-    eos: frozenset[int]
     created: int
     engine_options: dict[str, Any]
 
@@ -109,16 +109,27 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
 
         model, tokenizer = load_model(config.model)
         engine = SparseEngine(model, tokenizer, config.model)
-    scheduler = Scheduler(config.max_concurrency, config.queue_capacity)
-    metrics = ServeMetrics(lambda: scheduler.running, lambda: scheduler.waiting,
-                           tracer.stats if tracer.enabled else None)
-    state = ServerState(config, engine, scheduler, tracer, metrics, eos_ids(engine), int(time.time()),
-                        config.engine_options(engine.num_layers))
+    engine_options = config.engine_options(engine.num_layers)
+    loop_ref: list[EngineLoop] = []
+    metrics = ServeMetrics(lambda: loop_ref[0].running, lambda: loop_ref[0].waiting,
+                           tracer.stats if tracer.enabled else None, reserved=lambda: loop_ref[0].batch.reserved_bytes)
+
+    def finished(plan: Plan, result: Any, reason: str, sink: RequestSink, now: float) -> None:
+        finish(plan, result, reason, sink.times, admitted=sink.admitted, finished=now, engine=engine, tracer=tracer,
+               metrics=metrics, top_k=config.top_k)
+
+    engine_loop = EngineLoop(
+        engine, max_batch=config.max_concurrency, max_queue=config.queue_capacity, prefill_chunk=config.prefill_chunk,
+        kv_memory_limit=config.kv_memory_limit, on_finish=finished,
+        on_step=lambda batch: metrics.observe_step(batch.last_step),
+        on_abort=lambda _: metrics.request_aborted.labels("client_disconnected").inc())
+    loop_ref.append(engine_loop)
+    state = ServerState(config, engine, engine_loop, tracer, metrics, int(time.time()), engine_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await anyio.to_thread.run_sync(scheduler.shutdown)
+        await anyio.to_thread.run_sync(engine_loop.shutdown)
         await anyio.to_thread.run_sync(tracer.close)
 
     app = FastAPI(title="SparSEEty", version=__version__, lifespan=lifespan,
@@ -136,7 +147,7 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """Liveness, with the scheduler's load."""
-        return {"status": "ok", "model": config.model, "running": scheduler.running, "waiting": scheduler.waiting}
+        return {"status": "ok", "model": config.model, "running": engine_loop.running, "waiting": engine_loop.waiting}
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
@@ -203,41 +214,38 @@ async def _generate(state: ServerState, body: ChatCompletionRequest | Completion
     arrival = time.perf_counter()
     request_id = check_request_id(request_id) if request_id is not None else uuid.uuid4().hex
     force = trace_header is not None and trace_header.strip().lower() in TRUE_HEADER
+    plan = await anyio.to_thread.run_sync(functools.partial(
+        plan_request, body, state.engine, state.config, state.tracer, request_id=request_id, force_trace=force,
+        arrival=arrival))
+    config = state.config
+    options = GenerationOptions(max_new_tokens=plan.max_tokens, tier=plan.decision.tier, top_k=config.top_k,
+                                seed=plan.seed, **state.engine_options)
+    sink = RequestSink(state.engine.tokenizer, asyncio.get_running_loop(), stream=bool(body.stream))
     try:
-        state.scheduler.admit()
+        state.loop.submit(plan, sink, options)
     except QueueFull:
         state.metrics.request_rejected.labels("queue_full").inc()
-        raise APIError(429, "the server is at capacity (every worker busy and the queue full): retry later",
+        raise APIError(429, "the server is at capacity (the batch and its queue are full): retry later",
                        code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-    try:
-        plan = await anyio.to_thread.run_sync(functools.partial(
-            plan_request, body, state.engine, state.config, state.tracer, request_id=request_id, force_trace=force,
-            arrival=arrival))
-    except BaseException:
-        state.scheduler.release()
-        raise
     headers = {"X-Request-Id": request_id}
-    config = state.config
-    job = functools.partial(execute, plan, state.engine, tracer=state.tracer, metrics=state.metrics,
-                            top_k=config.top_k, eos=state.eos, options=state.engine_options)
     if not body.stream:
         try:
-            outcome = await state.scheduler.run(functools.partial(job, streamer=TokenStreamer(state.engine.tokenizer)))
+            result, reason = await sink.done
+        except asyncio.CancelledError:  # the client left: the request leaves the batch at the next step
+            sink.cancel()
+            state.loop.wake()
+            raise
         except SparseetyError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
-        return JSONResponse(response_body(plan, outcome, config.model, int(time.time())), headers=headers)
-    loop = asyncio.get_running_loop()
-    pieces: asyncio.Queue[str | None] = asyncio.Queue()
-    streamer = TokenStreamer(state.engine.tokenizer, loop, pieces)
-    task = asyncio.ensure_future(state.scheduler.run(functools.partial(job, streamer=streamer)))
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if the client left
+        return JSONResponse(response_body(plan, Outcome(result, reason), config.model, int(time.time())),
+                            headers=headers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_cancel_when_left(_events(plan, task, pieces, config.model, include_usage), streamer),
+    return StreamingResponse(_cancel_when_left(_events(plan, sink, config.model, include_usage), sink, state.loop),
                              media_type="text/event-stream", headers=headers)
 
 
-async def _cancel_when_left(events: AsyncIterator[str], streamer: TokenStreamer) -> AsyncIterator[str]:
-    """Pass the events on; when the client disconnects before the end, stop the generation."""
+async def _cancel_when_left(events: AsyncIterator[str], sink: RequestSink, loop: EngineLoop) -> AsyncIterator[str]:
+    """Pass the events on; when the client disconnects before the end, take the request out of the batch."""
     finished = False
     try:
         async for event in events:
@@ -245,19 +253,20 @@ async def _cancel_when_left(events: AsyncIterator[str], streamer: TokenStreamer)
         finished = True
     finally:
         if not finished:
-            streamer.cancel()
+            sink.cancel()
+            loop.wake()
 
 
-async def _events(plan: Plan, task: asyncio.Future[Outcome], pieces: asyncio.Queue[str | None], model: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _events(plan: Plan, sink: RequestSink, model: str, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), text deltas as tokens arrive, the finish chunk, usage, [DONE]."""
     created = int(time.time())
+    assert sink.pieces is not None
     if plan.operation == "chat":
         yield _sse(stream_chunk(plan, model, created, role=True, include_usage=include_usage))
-    while (piece := await pieces.get()) is not None:
+    while (piece := await sink.pieces.get()) is not None:
         yield _sse(stream_chunk(plan, model, created, text=piece, include_usage=include_usage))
     try:
-        outcome = await task
+        result, reason = await sink.done
     except SparseetyError as exc:
         yield _sse(error_body(400, str(exc), None, "invalid_value"))
         yield "data: [DONE]\n\n"
@@ -266,7 +275,7 @@ async def _events(plan: Plan, task: asyncio.Future[Outcome], pieces: asyncio.Que
         yield _sse(error_body(500, f"internal error: {type(exc).__name__}", None, "internal_error"))
         yield "data: [DONE]\n\n"
         return
-    yield _sse(stream_chunk(plan, model, created, finish=outcome.finish_reason, include_usage=include_usage))
+    yield _sse(stream_chunk(plan, model, created, finish=reason, include_usage=include_usage))
     if include_usage:
-        yield _sse(usage_chunk(plan, outcome.result, model, created))
+        yield _sse(usage_chunk(plan, result, model, created))
     yield "data: [DONE]\n\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from sparseety.config import ValidatedConfig
 from sparseety.models.registry import DEFAULT_MODEL
@@ -27,8 +27,14 @@ class ServeConfig(ValidatedConfig):
     tier : tier of sampled requests (forced requests get tier 3); the rest run at tier 1.
     top_k : important tokens per layer in traces.
     api_key : bearer key for every ``/v1`` endpoint; None leaves generation open and the trace endpoints off.
-    max_concurrency : generations running at once (worker threads).
-    max_queue : admitted requests waiting for a worker; None means ``4 * max_concurrency``. Beyond it: 429.
+    max_concurrency : sequences decoded together in one continuous batch.
+    max_queue : accepted requests waiting for a place in the batch; None means ``4 * max_concurrency``. Beyond it: 429.
+    kv_memory_limit : bytes of KV cache the batch may reserve (each request reserves its worst case:
+        dense ``prompt + max_tokens`` slots, an evicting policy its budget); ``"512MiB"`` works too.
+    prefill_chunk : prompt tokens prefilled per step, so a long prompt never stalls running decodes
+        for longer than one chunk.
+    threads : torch threads of the engine loop; None chooses one fewer than the machine's cores (at
+        least one), leaving a core to HTTP, tokenizing and the trace writer.
     max_tokens_limit : largest ``max_tokens`` a request may ask for (also the chat default).
     max_body_bytes : largest request body; larger bodies get 413.
     redact, ids_only : privacy of stored traces (see :mod:`sparseety.store`).
@@ -51,8 +57,11 @@ class ServeConfig(ValidatedConfig):
     tier: StrictInt = Field(2, ge=1, le=3)
     top_k: StrictInt = Field(16, gt=0)
     api_key: str | None = None
-    max_concurrency: StrictInt = Field(1, ge=1, le=64)
-    max_queue: StrictInt | None = Field(None, ge=0)
+    max_concurrency: StrictInt = Field(8, ge=1, le=256)
+    max_queue: StrictInt | None = Field(None, ge=0, le=100_000)
+    kv_memory_limit: StrictInt | None = Field(None, ge=1)
+    prefill_chunk: StrictInt = Field(512, ge=1, le=1 << 20)
+    threads: StrictInt | None = Field(None, ge=1, le=1024)
     max_tokens_limit: StrictInt = Field(256, ge=1)
     max_body_bytes: StrictInt = Field(1 << 20, ge=256)
     redact: StrictBool = False
@@ -63,6 +72,13 @@ class ServeConfig(ValidatedConfig):
     prune_opts: dict[str, str] = Field(default_factory=dict)
     attention_topk: StrictInt | None = Field(None, gt=0)
     layers: str = "all"
+
+    @field_validator("kv_memory_limit", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        from sparseety.units import parse_size
+
+        return None if value is None else parse_size(value, "kv_memory_limit")
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -92,6 +108,12 @@ class ServeConfig(ValidatedConfig):
         if schedule is not None:
             schedule.check_layers(num_layers)
         return {"prune": schedule, "attention_topk": self.attention_topk, "layers": self.layers}
+
+    def torch_threads(self) -> int:
+        """The engine loop's torch threads (see ``threads``)."""
+        import os
+
+        return self.threads if self.threads is not None else max(1, (os.cpu_count() or 1) - 1)
 
     @property
     def queue_capacity(self) -> int:

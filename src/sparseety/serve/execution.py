@@ -1,17 +1,19 @@
-"""What a worker thread does with a :class:`Plan`: generate, count, trace; and the response bodies."""
+"""What happens when a generation finishes (count, trace) and the response bodies."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparseety.engine import RunResult, SparseEngine
 from sparseety.serve.health import extraction_health
 from sparseety.serve.metrics import ServeMetrics
 from sparseety.serve.planning import Plan
-from sparseety.serve.streaming import GenerationCancelled, TokenStreamer
 from sparseety.serve.tracing import Tracer, genai_attributes
+
+if TYPE_CHECKING:
+    from sparseety.serve.engine_loop import TokenTimes
 
 
 @dataclass(frozen=True)
@@ -22,43 +24,16 @@ class Outcome:
     finish_reason: str
 
 
-def eos_ids(engine: SparseEngine) -> frozenset[int]:
-    """Token ids that end generation (the generation config's, else the tokenizer's)."""
-    eos = getattr(engine.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = engine.tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+def finish(plan: Plan, result: RunResult, reason: str, times: TokenTimes, *, admitted: float | None,
+           finished: float, engine: SparseEngine, tracer: Tracer, metrics: ServeMetrics, top_k: int) -> None:
+    """Count a finished generation and hand it to the store (runs on the engine loop's thread).
 
-
-def finish_reason(result: RunResult, max_tokens: int, eos: frozenset[int]) -> str:
-    """``stop`` when the model ended the sequence, ``length`` when it ran into ``max_tokens``."""
-    if result.output_ids and result.output_ids[-1] in eos:
-        return "stop"
-    return "length" if len(result.output_ids) >= max_tokens else "stop"
-
-
-def execute(plan: Plan, engine: SparseEngine, streamer: TokenStreamer, tracer: Tracer, metrics: ServeMetrics,
-            *, top_k: int, eos: frozenset[int], options: dict[str, Any] | None = None) -> Outcome:
-    """Generate ``plan`` on this (worker) thread, then record metrics and hand the result to the store
-    (with a trace directory: every request at tier 1 at least, the sampled and forced at their tier)."""
-    started = time.perf_counter()
-    try:
-        result = engine.generate(plan.encoded, plan.policy, max_new_tokens=plan.max_tokens, tier=plan.decision.tier,
-                                 top_k=top_k, seed=plan.seed, request_id=plan.request_id, streamer=streamer,
-                                 **(options or {}))
-    except GenerationCancelled:
-        metrics.request_aborted.labels("client_disconnected").inc()
-        raise
-    except BaseException:
-        streamer.close()
-        raise
-    finished = time.perf_counter()
-    reason = finish_reason(result, plan.max_tokens, eos)
-    first = streamer.times.first
-    metrics.observe_run(result, reason, arrival=plan.arrival, started=started, finished=finished,
-                        first_token=first, gaps=streamer.times.gaps())
+    With a trace directory every request leaves a tier-1 row at least; the sampled and forced their
+    full trace at their tier.
+    """
+    first = times.first
+    metrics.observe_run(result, reason, arrival=plan.arrival, started=plan.arrival if admitted is None else admitted,
+                        finished=finished, first_token=first, gaps=times.gaps())
     attributes = genai_attributes(
         result, operation=plan.operation, request_model=plan.request_model, finish_reason=reason,
         max_tokens=plan.max_tokens, temperature=plan.temperature, top_p=plan.top_p, decision=plan.decision,
@@ -77,7 +52,6 @@ def execute(plan: Plan, engine: SparseEngine, streamer: TokenStreamer, tracer: T
         if tracer.submit(result, plan.decision, extra):
             metrics.trace_traced.inc()
     tracer.export_span(attributes, plan.arrival_ns, time.time_ns())
-    return Outcome(result, reason)
 
 
 def usage(result: RunResult) -> dict[str, Any]:

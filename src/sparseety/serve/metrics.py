@@ -22,6 +22,7 @@ P = "sparseety:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)
 FRACTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 EXTRACTION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -47,7 +48,7 @@ class ServeMetrics:
     """Every metric ``/metrics`` exports; thread-safe (observed from worker threads)."""
 
     def __init__(self, running: Callable[[], int], waiting: Callable[[], int],
-                 writer_stats: Callable[[], Any] | None = None) -> None:
+                 writer_stats: Callable[[], Any] | None = None, reserved: Callable[[], int] | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
@@ -63,10 +64,19 @@ class ServeMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last generated token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to start on a worker.",
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to admission into the batch.",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        Gauge(P + "num_requests_running", "Requests generating now.", registry=r).set_function(running)
-        Gauge(P + "num_requests_waiting", "Admitted requests waiting for a worker.", registry=r).set_function(waiting)
+        Gauge(P + "num_requests_running", "Requests in the batch now (prefilling or decoding).",
+              registry=r).set_function(running)
+        Gauge(P + "num_requests_waiting", "Accepted requests waiting for a place in the batch.",
+              registry=r).set_function(waiting)
+        if reserved is not None:
+            Gauge(P + "kv_cache_reserved_bytes", "Worst-case KV bytes reserved by the requests in the batch.",
+                  registry=r).set_function(reserved)
+        self.batch_size = Histogram(P + "batch_size", "Sequences in each engine step.", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.step_prefill_tokens = Counter(P + "step_prefill_tokens", "Prompt tokens prefilled in engine steps.",
+                                           registry=r)
         by_policy = ["policy"]
         self.evicted_positions = Counter(P + "evicted_positions", "Distinct positions evicted, summed over requests.",
                                          by_policy, registry=r)
@@ -115,6 +125,12 @@ class ServeMetrics:
         if result.kv_cache_bytes_dense > 0:
             self.kept_fraction.labels(policy).observe(result.kv_cache_bytes_peak / result.kv_cache_bytes_dense)
         self.draft_rejected.labels(policy).inc(result.draft_rejected)
+
+    def observe_step(self, stats: Any) -> None:
+        """Record one engine step (``StepStats``)."""
+        if stats.batch_size:
+            self.batch_size.observe(stats.batch_size)
+        self.step_prefill_tokens.inc(stats.prefill_tokens)
 
     def observe_health(self, health: ExtractionHealth) -> None:
         """Record the extraction health of a traced request."""

@@ -154,6 +154,13 @@ def plan_request(body: ChatCompletionRequest | CompletionRequest, engine: Sparse
     if force and not tracer.enabled:
         raise APIError(400, "tracing is off on this server (start it with --trace-dir)", param="sparsity.trace",
                        code="tracing_off")
+    if config.kv_memory_limit is not None:
+        needed = engine.reserved_kv_bytes(encoded, policy, max_tokens)
+        if needed > config.kv_memory_limit:
+            raise APIError(400, f"this request needs {needed} bytes of KV cache at worst ({encoded.input_len} prompt "
+                           f"tokens + max_tokens {max_tokens} under policy {policy.name!r}), more than the server's "
+                           f"--kv-memory-limit of {config.kv_memory_limit} bytes: lower max_tokens or use an evicting "
+                           "policy with a budget", param="max_tokens", code="kv_memory_limit_exceeded")
     decision = tracer.decide(request_id, force=force, tier=sparsity.tier if sparsity else None)
     return Plan(
         request_id=request_id, operation="chat" if chat else "text_completion", request_model=body.model,
