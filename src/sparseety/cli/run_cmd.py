@@ -54,6 +54,11 @@ def run(
         1.0, "--sample-rate", help="Fraction of request ids traced at --tier (by a stable hash); the rest at tier 1."),
     force_trace: bool = typer.Option(False, "--force-trace", help="Trace this request at tier 3 whatever the sample."),
     jsonl: Path | None = typer.Option(None, "--jsonl", help="Also append this run's stored rows to FILE as JSONL."),
+    batch_file: Path | None = typer.Option(
+        None, "--batch-file", help="JSONL of requests (prompt or messages; optional policy, budget, ratio, "
+        "max_new_tokens, request_id) run as one continuous batch; one trace each."),
+    max_concurrency: int = typer.Option(8, "--max-concurrency", help="With --batch-file: sequences decoded together."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="With --batch-file: prompt tokens prefilled per step."),
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
@@ -66,6 +71,20 @@ def run(
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
                        tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score)
+    if batch_file is not None:
+        from sparseety.cli.batch_run import run_batch_file
+
+        inputs.check(need_source=False)
+        if any(x is not None for x in (prompt, prompt_file, context_file)):
+            raise InputError("--batch-file holds the prompts: leave out --prompt, --prompt-file and --context-file")
+        if speculative is not None:
+            raise InputError("--speculative cannot be combined with --batch-file: speculative decoding runs one "
+                             "sequence at a time")
+        run_batch_file(batch_file, inputs, model=model, max_new_tokens=max_new_tokens, trace_dir=trace_dir,
+                       seed=seed, as_json=as_json, no_report=no_report, redact=redact, ids_only=ids_only,
+                       sample_rate=sample_rate, force_trace=force_trace, jsonl=jsonl,
+                       max_concurrency=max_concurrency, prefill_chunk=prefill_chunk)
+        return
     inputs.check()
     request_id = uuid.uuid4().hex  # decided first: the sample and the forced tier depend on it
     tier = trace_tier(request_id, sample_rate, tier=tier, force=force_trace)

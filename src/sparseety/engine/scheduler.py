@@ -68,6 +68,8 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     reserved_bytes: int = 0
+    peak_reserved_bytes: int = 0  #: the most ever reserved at once
+    peak_running: int = 0  #: the most requests ever in the batch at once
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0:
@@ -98,6 +100,8 @@ class Scheduler:
             self.reserved_bytes += head.reserved_bytes
             self.running.append(head)
             admitted.append(head)
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        self.peak_running = max(self.peak_running, len(self.running))
         return admitted
 
     def schedule(self) -> StepPlan:

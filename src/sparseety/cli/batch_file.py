@@ -1,0 +1,132 @@
+"""``sparseety run --batch-file``: requests from a JSONL file, validated line by line, run as one continuous batch.
+
+Each line is one JSON object: ``prompt`` (text) or ``messages`` (a chat), and optionally ``policy``,
+``budget``, ``ratio``, ``max_new_tokens`` and ``request_id``; the command's flags give the defaults.
+A bad line is reported on its own (``error: FILE line N: ...``) and the others still run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+
+from sparseety.errors import InputError, SparseetyError
+
+if TYPE_CHECKING:
+    from sparseety.cli.run_inputs import RunInputs
+    from sparseety.engine import EncodedInput
+    from sparseety.policies import Policy
+
+MAX_LINES = 100_000
+REQUEST_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: StrictStr
+    content: StrictStr
+
+
+class BatchLine(BaseModel):
+    """One line of a batch file."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: StrictStr | None = None
+    messages: list[_Message] | None = None
+    policy: StrictStr | None = None
+    budget: StrictInt | None = Field(None, ge=1, le=1 << 24)
+    ratio: StrictFloat | None = Field(None, ge=0, lt=1)
+    max_new_tokens: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    request_id: StrictStr | None = Field(None, pattern=REQUEST_ID)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BatchLine:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.budget is not None and self.ratio is not None:
+            raise ValueError("give either 'budget' or 'ratio', not both")
+        return self
+
+
+@dataclass
+class BatchItem:
+    """A validated, encoded line."""
+
+    line: int
+    request_id: str
+    encoded: EncodedInput
+    policy: Policy
+    max_new_tokens: int
+
+
+def read_batch_file(path: Path) -> list[tuple[int, BatchLine | str]]:
+    """Per non-empty line: ``(line number, BatchLine)`` or ``(line number, error message)``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read --batch-file {path}: {exc}") from None
+    lines = [(n, raw) for n, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
+    if not lines:
+        raise InputError(f"--batch-file {path} holds no requests (one JSON object per line)")
+    if len(lines) > MAX_LINES:
+        raise InputError(f"--batch-file {path} holds {len(lines)} requests, more than {MAX_LINES}")
+    out: list[tuple[int, BatchLine | str]] = []
+    for n, raw in lines:
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError(f"a line is one JSON object, got {type(data).__name__}")
+            out.append((n, BatchLine(**data)))
+        except json.JSONDecodeError as exc:
+            out.append((n, f"not JSON: {exc.msg} at column {exc.colno}"))
+        except ValidationError as exc:
+            out.append((n, "; ".join(_problem(e) for e in exc.errors(include_url=False))))
+        except (ValueError, TypeError) as exc:
+            out.append((n, str(exc)))
+    return out
+
+
+def _problem(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {key!r}; known keys: {', '.join(BatchLine.model_fields)}"
+    message = str(err.get("ctx", {}).get("error", err["msg"])) if err["type"] == "value_error" else err["msg"]
+    return f"{key}: {message}" if key else message
+
+
+def encode_item(n: int, line: BatchLine, inputs: RunInputs, tokenizer: Any, max_new_tokens: int,
+                default_id: str) -> BatchItem:
+    """Encode one line with the flags' defaults; raises :class:`SparseetyError` naming what was wrong."""
+    from sparseety.engine import encode_messages, encode_prompt
+
+    if line.messages is not None:
+        encoded = encode_messages(tokenizer, [m.model_dump() for m in line.messages])
+    else:
+        encoded = encode_prompt(tokenizer, line.prompt or "", inputs.chat)
+    policy = inputs.policy_for(encoded, name=line.policy or inputs.policy, budget=line.budget, ratio=line.ratio)
+    return BatchItem(n, line.request_id or default_id, encoded, policy, line.max_new_tokens or max_new_tokens)
+
+
+def prepare(path: Path, inputs: RunInputs, tokenizer: Any, max_new_tokens: int,
+            new_id: Any) -> tuple[list[BatchItem], list[str]]:
+    """Validated items and one error line per rejected line (duplicate ids are rejected too)."""
+    items: list[BatchItem] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    for n, line in read_batch_file(path):
+        try:
+            if isinstance(line, str):
+                raise InputError(line)
+            item = encode_item(n, line, inputs, tokenizer, max_new_tokens, new_id())
+            if item.request_id in seen:
+                raise InputError(f"request_id {item.request_id!r} appears twice")
+        except SparseetyError as exc:
+            errors.append(f"{path} line {n}: {exc}")
+            continue
+        seen.add(item.request_id)
+        items.append(item)
+    return items, errors
