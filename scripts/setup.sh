@@ -19,6 +19,8 @@ if [ "${1:-}" = "--test" ]; then
     SUDO=(); [ "$(id -u)" -eq 0 ] || SUDO=(sudo)
     "${SUDO[@]}" apt-get install -y -q chromium >/dev/null || { "${SUDO[@]}" apt-get update -q >/dev/null && "${SUDO[@]}" apt-get install -y -q chromium >/dev/null; }
   fi
+  # The vLLM observer's tests run a real `vllm serve` from its own venv (.venv-vllm; kept when present).
+  bash scripts/setup-vllm.sh
 else
   "${PIP[@]}" -e .
 fi
