@@ -213,3 +213,29 @@ def test_vllm_greedy_tokens_equal_sparseetys_dense(traffic, smollm_engine):
         dense = smollm_engine.generate(encoded, build_policy("dense"), max_new_tokens=len(choice["token_ids"]),
                                        tier=1)
         assert dense.output_ids == choice["token_ids"], index
+
+
+def test_audit_usage_explains_vllms_cached_tokens(server, traffic, tmp_path):
+    """`sparseety audit-usage` against this vllm serve: counts agree and cached_tokens is explained."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lines = [{"prompt": PREFIX + "Audit question one?"}, {"prompt": PREFIX + "Audit question two?"},
+             {"messages": [{"role": "user", "content": "Name a prime number."}]}]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("sparseety")), "audit-usage", "--base-url", server.url + "/v1",
+         "--model", server.model, "--tokenizer", "smollm2-135m", "--requests", str(requests), "--json",
+         "--timeout", "300"],
+        capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    checks = report["checks"]
+    assert report["disagreements"] == 0, checks
+    first, second, chat = checks
+    assert first["server_cached"] is not None and second["server_cached"] >= 4 * BLOCK_SIZE
+    assert second["server_cached"] % BLOCK_SIZE == 0 and second["server_cached"] < second["server_prompt"]
+    assert f"{second['server_cached']} of the {second['server_prompt']} prompt tokens came from the server's " \
+           "prefix cache" in second["cached_note"]
+    assert chat["server_cached"] is not None and chat["cached_note"]

@@ -5,7 +5,9 @@ counts: the prompt as the tokenizer's chat template renders it (chat) or as the 
 (completion), the completion as its text re-encodes plus the end-of-sequence token when the server
 says it stopped. A disagreement gets the likeliest cause, found by recounting under the variants that
 usually explain one (no template, no assistant prefix, special tokens, each turn templated again, a
-different vocabulary).
+different vocabulary). A server that reports ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``, OpenAI) gets that count checked and explained too: prompt tokens
+read from the prefix cache are part of ``prompt_tokens``, their prefill skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class UsageCheck:
     finish_reason: str | None
     prompt_cause: str | None
     completion_cause: str | None
+    server_cached: int | None = None  #: ``usage.prompt_tokens_details.cached_tokens``, when the server sends it
+    cached_note: str | None = None  #: what the cached count means, or why it cannot be right
 
     @property
     def agrees(self) -> bool:
@@ -165,6 +169,31 @@ def explain_completion(tokenizer: Any, text: str, finish_reason: str | None, ser
     return f"tokenizer vocabulary differs: the text re-encodes to {local} tokens locally, the server counted {server}"
 
 
+def cached_tokens(usage: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (an object or a dict), None when absent."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else getattr(usage, "prompt_tokens_details", None)
+    if details is None:
+        return None
+    value = details.get("cached_tokens") if isinstance(details, dict) else getattr(details, "cached_tokens", None)
+    return None if value is None else int(value)
+
+
+def explain_cached(server_prompt: int, cached: int | None) -> str | None:
+    """What ``cached_tokens`` says about the prompt count (vLLM: ``--enable-prompt-tokens-details``)."""
+    if cached is None:
+        return None
+    if cached < 0 or cached > server_prompt:
+        return f"inconsistent: cached_tokens {cached} is outside 0..prompt_tokens ({server_prompt})"
+    if cached == 0:
+        return "no prompt token came from the prefix cache: all were prefilled"
+    if cached == server_prompt:
+        return (f"all {cached} prompt tokens came from the prefix cache (vLLM recomputes at least the last "
+                "prompt token, so this count is unusual for it)")
+    return (f"{cached} of the {server_prompt} prompt tokens came from the server's prefix cache: their "
+            f"prefill was skipped, their KV reused, and they are still counted in prompt_tokens; "
+            f"{server_prompt - cached} were prefilled")
+
+
 def audit(client: Any, model: str, requests: list[AuditRequest], tokenizer: Any) -> list[UsageCheck]:
     """Send each request through an ``openai.OpenAI`` client and check its usage block."""
     import openai
@@ -202,5 +231,7 @@ def audit(client: Any, model: str, requests: list[AuditRequest], tokenizer: Any)
             finish_reason=finish,
             prompt_cause=explain_prompt(tokenizer, request, usage.prompt_tokens, vocabulary_agrees),
             completion_cause=explain_completion(tokenizer, text, finish, usage.completion_tokens),
+            server_cached=cached_tokens(usage),
+            cached_note=explain_cached(usage.prompt_tokens, cached_tokens(usage)),
         ))
     return checks
