@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,9 @@ from pydantic import (
 
 from sparseety.errors import ConfigError
 from sparseety.yaml_strict import line_of, load_yaml
+
+MAX_TOKENS = 1 << 20
+"""The most tokens any setting may name (a budget, a top-k, a generation length): past any model's context."""
 
 
 class _Invalid(ConfigError):
@@ -117,19 +120,19 @@ class ExtractionConfig(ValidatedConfig):
 
     score_type: Literal["attention", "route", "activation"] = "attention"
     layout: Literal["bhqk", "hqk", "qk", "bhkq", "hkq", "kq"] | None = None
-    batch_index: StrictInt | None = Field(None, ge=0)
+    batch_index: StrictInt | None = Field(None, ge=0, le=MAX_TOKENS)
     head_reduce: Literal["mean", "max", "none"] = "mean"
     query_reduce: Literal["sum", "mean", "max", "last"] = "sum"
     route_input: Literal["probs", "logits"] = "probs"
-    experts_k: StrictInt = Field(2, gt=0)
+    experts_k: StrictInt = Field(2, gt=0, le=4096)
     activation_reduce: Literal["maxabs", "l2", "nonzero_frac"] = "maxabs"
-    zero_eps: float = Field(1e-6, ge=0, strict=True, allow_inf_nan=False)
+    zero_eps: float = Field(1e-6, ge=0, le=1e6, strict=True, allow_inf_nan=False)
     normalize: Literal["l2", "l1", "max", "none"] = "max"
-    top_k: StrictInt = Field(16, gt=0)
+    top_k: StrictInt = Field(16, gt=0, le=MAX_TOKENS)
     min_score: float = Field(0.05, ge=0, lt=1, strict=True)
-    token_offset: StrictInt = Field(0, ge=0)
+    token_offset: StrictInt = Field(0, ge=0, le=MAX_TOKENS)
     exclude_special: StrictBool = False
-    special_ids: tuple[StrictInt, ...] = ()
+    special_ids: tuple[Annotated[StrictInt, Field(ge=0, le=1 << 31)], ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from sparseety.config import MAX_TOKENS
 from sparseety.errors import ConfigError
 from sparseety.run_file_checks import check_values
 from sparseety.yaml_strict import line_of, load_yaml
@@ -47,7 +48,7 @@ class ModelSection(_Section):
 
     path: StrictStr | None = None
     tokenizer_path: StrictStr | None = None
-    max_new_tokens: StrictInt | None = Field(None, gt=0)
+    max_new_tokens: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
 
 
 class SparsitySection(_Section):
@@ -55,9 +56,9 @@ class SparsitySection(_Section):
 
     enabled: StrictBool = True
     policy: StrictStr | None = None
-    kv_cache_limit: StrictInt | None = Field(None, gt=0)
-    ratio: StrictFloat | None = Field(None, ge=0, lt=1)
-    attention_topk: StrictInt | None = Field(None, gt=0)
+    kv_cache_limit: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
+    ratio: StrictFloat | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    attention_topk: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
     token_pruning: StrictBool | StrictStr = False
     policy_opts: dict[StrictStr, StrictStr | StrictInt | StrictFloat | StrictBool] = Field(default_factory=dict)
 
@@ -88,8 +89,8 @@ class SparsitySection(_Section):
 class ExtractionSection(_Section):
     """How many important tokens, above which score, at which layers."""
 
-    top_k: StrictInt | None = Field(None, gt=0)
-    min_score: StrictFloat | None = Field(None, ge=0, lt=1)
+    top_k: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
+    min_score: StrictFloat | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
     layers: Literal["all", "auto"] | list[StrictInt] | StrictStr | None = None
 
 
@@ -99,7 +100,7 @@ class LoggingSection(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     output_file: StrictStr | None = None
     tier: StrictInt | None = Field(None, ge=0, le=3)
-    sample_rate: StrictFloat | StrictInt | None = Field(None, ge=0, le=1)
+    sample_rate: StrictFloat | StrictInt | None = Field(None, ge=0, le=1, allow_inf_nan=False)
 
 
 class RunFile(_Section):

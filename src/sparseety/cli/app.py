@@ -8,11 +8,37 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from sparseety import __version__
 from sparseety.errors import SparseetyError
 
+class OneLineErrors(TyperGroup):
+    """The root group: a command-line usage error (unknown option, value of the wrong type or out of
+    range) is one ``error: ...`` line on stderr and exit code 2, not a framed block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except typer.TyperException as exc:
+            ctx = getattr(exc, "ctx", None)
+            if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+                print(ctx.get_help())
+                sys.exit(2)
+            message = " ".join(str(exc.format_message()).split())  # type: ignore[attr-defined]
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            print(f"error: {message}{hint}", file=sys.stderr)
+            sys.exit(2 if ctx is not None else getattr(exc, "exit_code", 1))
+        except typer.Abort:
+            print("error: aborted", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=OneLineErrors,
     name="sparseety",
     help="See the token flow of sparse LLM inference: what went in, what came out, what was evicted.",
     no_args_is_help=True,
@@ -30,14 +56,17 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def user_errors(fn: F) -> F:
-    """Turn a :class:`SparseetyError` raised by a command into an ``error:`` line and exit code 2; print each
-    store warning (a skipped damaged file) once as a ``warning:`` line."""
+    """Check every numeric flag's range (:mod:`sparseety.cli.bounds`), turn a :class:`SparseetyError` raised
+    by a command into an ``error:`` line and exit code 2, and print each store warning (a skipped damaged
+    file) once as a ``warning:`` line."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from sparseety.cli.bounds import check_bounds
         from sparseety.store.notices import collected
 
         try:
+            check_bounds(kwargs)
             with collected(echo=True):
                 return fn(*args, **kwargs)
         except SparseetyError as exc:

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.bounds import MAX_LENGTH
 from sparseety.cli.lists import parse_list
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.models.registry import DEFAULT_MODEL
@@ -55,7 +56,8 @@ def passkey_cmd(
     for name in names:
         build_policy(name, 1 << 20)  # unknown names fail before the model loads
     ratio_list = parse_list(ratios, "--ratios", float, lambda r: 0.0 <= r < 1.0, "0 <= ratio < 1")
-    length_list = parse_list(lengths, "--lengths", int, lambda n: n >= 50, "at least 50 tokens")
+    length_list = parse_list(lengths, "--lengths", int, lambda n: 50 <= n <= MAX_LENGTH,
+                                 f"50 to {MAX_LENGTH} tokens")
     depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
     if max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.bounds import MAX_LENGTH
 from sparseety.cli.lists import parse_list
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.run_file import with_run_file
@@ -69,7 +70,8 @@ def tune_cmd(
             raise InputError("--metric passkey builds its own cases from --lengths and --depths; "
                              "drop --prompt/--prompt-file/--context-file")
         inputs.check(need_source=False)
-        length_list = parse_list(lengths, "--lengths", int, lambda n: n >= 50, "at least 50 tokens")
+        length_list = parse_list(lengths, "--lengths", int, lambda n: 50 <= n <= MAX_LENGTH,
+                                 f"50 to {MAX_LENGTH} tokens")
         depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
     else:
         inputs.check()
