@@ -26,39 +26,68 @@ IN_PLACE_EVICTIONS = 32
 
 
 class SparseLayer(DynamicLayer):
-    """One layer of a :class:`SparseCache`."""
+    """One layer of a :class:`SparseCache`.
+
+    Keys, values, positions and the policy state live in preallocated buffers; :attr:`keys`,
+    :attr:`values`, :attr:`positions` and :attr:`state` are views of their live slots.
+    """
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.positions: torch.Tensor | None = None
-        self.state: torch.Tensor | None = None
         self.seen = 0
         self._k: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, d]``
         self._v: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` long
+        self._state: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` float, once a policy keeps one
         self._slots = 0
         self._incoming: tuple[torch.Tensor, int] | None = None
 
-    # -- buffer --------------------------------------------------------------------------------------
+    # -- views ---------------------------------------------------------------------------------------
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """``[b, kv_heads, slots]`` original token position of every live slot (not in position order)."""
+        return None if self._pos is None else self._pos[..., : self._slots]
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        """``[b, kv_heads, slots]`` the policy's per-slot accumulator, or None."""
+        return None if self._state is None else self._state[..., : self._slots]
+
+    @state.setter
+    def state(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self._state = None
+            return
+        if self._state is None:
+            assert self._pos is not None
+            self._state = torch.zeros(self._pos.shape, dtype=value.dtype, device=value.device)
+        self._state[..., : self._slots] = value
+
     def _views(self) -> None:
         assert self._k is not None and self._v is not None
         self.keys = self._k[:, :, : self._slots]
         self.values = self._v[:, :, : self._slots]
 
     def _reallocate(self, capacity: int, keep: torch.Tensor | None = None) -> None:
-        """Move the live slots (or the slots ``keep`` ``[b, kv_heads, k]``, in that order) into a new buffer."""
-        assert self._k is not None and self._v is not None
+        """Move the live slots (or the slots ``keep`` ``[b, kv_heads, k]``, in that order) into new buffers."""
+        assert self._k is not None and self._v is not None and self._pos is not None
         b, h, _, d = self._k.shape
-        k_new = self._k.new_empty(b, h, capacity, d)
-        v_new = self._v.new_empty(b, h, capacity, d)
+        n = self._slots if keep is None else keep.shape[-1]
+        k_new, v_new = self._k.new_empty(b, h, capacity, d), self._v.new_empty(b, h, capacity, d)
+        pos_new = self._pos.new_zeros(b, h, capacity)
+        state_new = None if self._state is None else self._state.new_zeros(b, h, capacity)
         if keep is None:
-            k_new[:, :, : self._slots] = self._k[:, :, : self._slots]
-            v_new[:, :, : self._slots] = self._v[:, :, : self._slots]
+            k_new[:, :, :n], v_new[:, :, :n], pos_new[..., :n] = self.keys, self.values, self.positions
+            if state_new is not None:
+                state_new[..., :n] = self.state
         else:
-            index = keep.unsqueeze(-1).expand(b, h, keep.shape[-1], d)
-            torch.gather(self._k[:, :, : self._slots], 2, index, out=k_new[:, :, : keep.shape[-1]])
-            torch.gather(self._v[:, :, : self._slots], 2, index, out=v_new[:, :, : keep.shape[-1]])
-            self._slots = keep.shape[-1]
-        self._k, self._v = k_new, v_new
+            index = keep.unsqueeze(-1).expand(b, h, n, d)
+            torch.gather(self.keys, 2, index, out=k_new[:, :, :n])
+            torch.gather(self.values, 2, index, out=v_new[:, :, :n])
+            pos_new[..., :n] = self.positions.gather(-1, keep)
+            if state_new is not None:
+                state_new[..., :n] = self.state.gather(-1, keep)
+        self._k, self._v, self._pos, self._state, self._slots = k_new, v_new, pos_new, state_new, n
         self._views()
 
     def capacity(self) -> int:
@@ -83,27 +112,30 @@ class SparseLayer(DynamicLayer):
             self.dtype, self.device = key_states.dtype, key_states.device
             self._k = key_states.new_empty(b, h, q + GROW_SLOTS, d)
             self._v = value_states.new_empty(b, h, q + GROW_SLOTS, d)
+            self._pos = torch.zeros(b, h, q + GROW_SLOTS, dtype=torch.long, device=key_states.device)
             self.is_initialized = True
         elif self._slots + q > self.capacity():
             self._reallocate(self._slots + q + GROW_SLOTS)
-        assert self._k is not None and self._v is not None
-        self._k[:, :, self._slots : self._slots + q] = key_states
-        self._v[:, :, self._slots : self._slots + q] = value_states
-        self._slots += q
-        self._views()
+        assert self._k is not None and self._v is not None and self._pos is not None
+        start, end = self._slots, self._slots + q
+        self._k[:, :, start:end] = key_states
+        self._v[:, :, start:end] = value_states
         fed = q
         if self._incoming is not None:
             rows, fed = self._incoming
             self._incoming = None
             if rows.numel() != q:
                 raise RuntimeError(f"SparseLayer.update: {q} new rows, but {rows.numel()} positions were announced")
-            new = rows.to(key_states.device).expand(b, h, q)
+            self._pos[..., start:end] = rows.to(key_states.device)
+        elif q == 1:
+            self._pos[..., start] = self.seen
         else:
-            new = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
-        self.positions = new.clone() if self.positions is None else torch.cat([self.positions, new], dim=-1)
-        if self.state is not None:
-            self.state = torch.cat([self.state, self.state.new_zeros(b, h, q)], dim=-1)
+            self._pos[..., start:end] = torch.arange(self.seen, self.seen + q, device=key_states.device)
+        if self._state is not None:
+            self._state[..., start:end] = 0
+        self._slots = end
         self.seen += fed
+        self._views()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -125,9 +157,10 @@ class SparseLayer(DynamicLayer):
         return 2 * b * h * self._slots * d * self._k.element_size()
 
     def allocated_bytes(self) -> int:
-        """Bytes of the whole buffer, free slots included."""
+        """Bytes of the whole key and value buffers, free slots included."""
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
 
+    # -- eviction ----------------------------------------------------------------------------------------
     def compact(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep only the slots ``keep`` (``[b, kv_heads, k]``, ascending) in every head.
 
@@ -136,63 +169,77 @@ class SparseLayer(DynamicLayer):
         evicted_slots : ``[b, kv_heads, n - k]`` slot indices (before compaction) that were dropped.
         evicted_positions : ``[b, kv_heads, n - k]`` their original token positions, ascending per head.
         """
-        assert self.positions is not None
-        b, h, n = self.positions.shape
+        positions = self.positions
+        assert positions is not None
+        b, h, n = positions.shape
         k = keep.shape[-1]
-        kept = torch.zeros_like(self.positions, dtype=torch.bool).scatter_(-1, keep, True)
+        kept = torch.zeros_like(positions, dtype=torch.bool).scatter_(-1, keep, True)
         evicted_slots = (~kept).nonzero(as_tuple=True)[-1].reshape(b, h, n - k)
-        evicted_positions = self.positions.gather(-1, evicted_slots)
-        order = evicted_positions.argsort(dim=-1)
-        evicted_slots, evicted_positions = evicted_slots.gather(-1, order), evicted_positions.gather(-1, order)
-        if n == k:
-            return evicted_slots, evicted_positions
-        if n - k <= IN_PLACE_EVICTIONS and b == 1:
-            self._fill_holes(kept[0], k)
-        else:
-            self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
-            self.positions = self.positions.gather(-1, keep)
-            if self.state is not None:
-                self.state = self.state.gather(-1, keep)
-        return evicted_slots, evicted_positions
+        return self.evict(evicted_slots, keep)
 
-    def _fill_holes(self, kept: torch.Tensor, k: int) -> None:
-        """Move the surviving slots at index ``>= k`` into the evicted slots below ``k`` (``kept`` ``[kv_heads, n]``)."""
-        assert self._k is not None and self._v is not None and self.positions is not None
-        hole_h, hole_s = (~kept[:, :k]).nonzero(as_tuple=True)  # per head, as many holes below k as survivors above
-        move_h, move_s = kept[:, k:].nonzero(as_tuple=True)
-        move_s = move_s + k
-        self._k[0, hole_h, hole_s] = self._k[0, move_h, move_s]
-        self._v[0, hole_h, hole_s] = self._v[0, move_h, move_s]
-        positions = self.positions.clone()
-        positions[0, hole_h, hole_s] = positions[0, move_h, move_s]
-        self.positions = positions[..., :k]
-        if self.state is not None:
-            state = self.state.clone()
-            state[0, hole_h, hole_s] = state[0, move_h, move_s]
-            self.state = state[..., :k]
-        self._slots = k
-        self._views()
+    def evict(self, slots: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop the slots ``slots`` (``[b, kv_heads, e]``, distinct per head; ``keep`` may give the complement).
+
+        A small eviction moves the newest survivors into the freed slots (only those slots are
+        copied); a large one gathers the kept slots, in order, into buffers sized to them.
+
+        Returns ``(evicted_slots, evicted_positions)``, both ``[b, kv_heads, e]`` ordered by position.
+        """
+        positions = self.positions
+        assert positions is not None and self._k is not None and self._v is not None and self._pos is not None
+        b, h, n = positions.shape
+        e = slots.shape[-1]
+        evicted_positions = positions.gather(-1, slots)
+        if e > 1:
+            order = evicted_positions.argsort(dim=-1)
+            slots, evicted_positions = slots.gather(-1, order), evicted_positions.gather(-1, order)
+        if e == 0:
+            return slots, evicted_positions
+        k = n - e
+        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
+            heads = torch.arange(h, device=slots.device)
+            hole = slots[0, :, 0]
+            for buffer in (self._k, self._v, self._pos, self._state):
+                if buffer is not None:
+                    buffer[0, heads, hole] = buffer[0, heads, n - 1]
+            self._slots = k
+            self._views()
+        elif e <= IN_PLACE_EVICTIONS and b == 1:
+            kept = torch.ones(h, n, dtype=torch.bool, device=slots.device).scatter_(-1, slots[0], False)
+            hole_h, hole_s = (~kept[:, :k]).nonzero(as_tuple=True)  # per head, as many holes below k as survivors above
+            move_h, move_s = kept[:, k:].nonzero(as_tuple=True)
+            move_s = move_s + k
+            for buffer in (self._k, self._v, self._pos, self._state):
+                if buffer is not None:
+                    buffer[0, hole_h, hole_s] = buffer[0, move_h, move_s]
+            self._slots = k
+            self._views()
+        else:
+            if keep is None:
+                kept = torch.ones_like(positions, dtype=torch.bool).scatter_(-1, slots, False)
+                keep = kept.nonzero(as_tuple=True)[-1].reshape(b, h, k)
+            self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
+        return slots, evicted_positions
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (rejected speculative drafts)."""
         if tokens_to_remove > 0:
             raise ValueError("SparseLayer.crop takes a negative count of tokens to remove")
         r = -tokens_to_remove
-        if r == 0 or self.positions is None:
+        positions = self.positions
+        if r == 0 or positions is None:
             return
         cutoff = self.seen - r
-        newest = self.positions >= cutoff
+        newest = positions >= cutoff
         if not bool((newest.sum(dim=-1) == r).all()):
             raise RuntimeError("cannot crop: the newest slots were evicted")  # protected while drafting
-        keep = (~newest).nonzero(as_tuple=True)[-1].reshape(*self.positions.shape[:-1], -1)
-        self.compact(keep)
+        self.evict(newest.nonzero(as_tuple=True)[-1].reshape(*positions.shape[:-1], r))
         self.seen = cutoff
 
     def reset(self) -> None:
-        self._k = self._v = None
+        self._k = self._v = self._pos = self._state = None
         self._slots = 0
         super().reset()
-        self.positions = self.state = None
         self.seen = 0
         self._incoming = None
 

@@ -21,7 +21,7 @@ from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, EventLog
 from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
-from sparseety.policies.base import Observation, Policy, Signal, protect, select_keep
+from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
 
@@ -306,8 +306,7 @@ class RunContext:
         if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
             scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                              positions >= cache_layer.seen - self.drafts_in_forward)
-        keep = select_keep(scores, budget, positions)
-        evicted_slots, evicted_positions = cache_layer.compact(keep)
+        evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
         if self.tier >= 1:
             self.evictions.add(self.step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
 

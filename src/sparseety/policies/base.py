@@ -158,6 +158,19 @@ def select_keep(scores: torch.Tensor, budget: int, positions: torch.Tensor | Non
     return by_position.gather(-1, order[..., :budget]).sort(dim=-1).values
 
 
+def select_evict(scores: torch.Tensor, budget: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The complement of :func:`select_keep`: ``[b, kv_heads, n - budget]`` slot indices to evict (any order)."""
+    n = scores.shape[-1]
+    if positions is None:
+        positions = torch.arange(n, device=scores.device).expand(scores.shape)
+    if n - budget == 1:  # the common decode step: the newest slot among the lowest scores
+        lowest = scores == scores.amin(dim=-1, keepdim=True)
+        return torch.where(lowest, positions, -1).argmax(dim=-1, keepdim=True)
+    by_position = positions.argsort(dim=-1, stable=True)
+    order = torch.sort(scores.gather(-1, by_position), dim=-1, descending=True, stable=True).indices
+    return by_position.gather(-1, order[..., budget:])
+
+
 def check_positive_int(policy: str, field: str, value: Any, minimum: int = 1) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an int ``>= minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
