@@ -39,9 +39,13 @@ def list_command(
             sys.stdout.write(json.dumps(row) + "\n")
         return
     table = Table(*LIST_COLUMNS, caption=f"{len(rows)} newest request(s) in {trace_dir}")
+    table.columns[0].no_wrap = True
     for row in rows:
         table.add_row(*("-" if row[c] is None else str(row[c]) for c in LIST_COLUMNS))
-    Console().print(table)
+    console = Console()
+    needed = console.measure(table, options=console.options.update(max_width=100_000)).maximum
+    # Never cut an id: wider than the terminal, the lines wrap there but every id stays whole.
+    (Console(width=needed) if needed > console.width else console).print(table)
 
 
 @traces_app.command("show")
@@ -71,10 +75,12 @@ def show_command(
         console.print("text: " + json.dumps(doc["text"], ensure_ascii=False), markup=False, highlight=False)
     records = doc.get("important_tokens") or []
     if records:
-        table = Table("layer", "rank", "position", "token_id", "score", "text", title="important tokens (first 10)")
+        table = Table("layer", "rank", "position", "token_id", "score", "text",
+                      title="important tokens (first 10; rank 0 = most important)")
         for record in records[:10]:
             text = "" if record["text"] is None else json.dumps(record["text"], ensure_ascii=False)
-            table.add_row(str(record["layer"]), str(record["rank"]), str(record["position"]),
+            layer = "all" if record["layer"] is None else str(record["layer"])  # the all-layers ranking
+            table.add_row(layer, str(record["rank"]), str(record["position"]),
                           str(record["token_id"]), f"{record['score']:.4f}", text)
         console.print(table)
     if trace.arrays:
