@@ -119,7 +119,7 @@ def _trace_body(view: dict[str, Any], root_id: str) -> str:
     sections.append(("summary", "Summary", f'<div class="cards">{cards}</div>'
                      f'<details style="margin-top:10px"><summary class="muted">Provenance</summary>{provenance}</details>'))
     if view["positions"]:
-        legend = ('<div class="legend"><span>importance <span class="ramp"></span> max <span class="imp-max"></span></span>'
+        legend = ('<div class="legend"><span>importance 0 <span class="ramp"></span> 1 (<span class="imp-max"></span>)</span>'
                   '<span><i style="background:transparent;border-bottom:2px dotted var(--evicted)"></i>evicted by some KV heads</span>'
                   '<span><s style="text-decoration-color:var(--evicted)">abc</s> evicted by all KV heads</span>'
                   '<span>hover a token for its id, position, score, rank per layer and evictions</span></div>')

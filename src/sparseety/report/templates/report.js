@@ -217,15 +217,16 @@ function traceReport() {
     }
     return new Map([...groups.entries()].sort((a, b) => a[0] - b[0]));
   }
+  let layerMax = 0;  /* the highest score of the selected layer: scores are shown divided by it, as in the table */
   function tokenTip(p) {
     const box = el("div");
     box.append(el("div", {}, el("b", {text: JSON.stringify(texts[p])}), el("span", {class: "muted", text: `  ${p < P ? "prompt" : "generated"}`})));
     box.append(el("div", {text: `id ${ids[p]} · position ${p}`}));
     if (imp) {
       const row = layer + 1, s = imp.data[row * N + p];
-      box.append(el("div", {text: `score (${layerName(layer)}): ${fmt(s)} · rank ${Number.isNaN(s) ? "—" : rk.data[row * N + p] + 1} of ${N}`}));
+      box.append(el("div", {text: `score (${layerName(layer)}): ${fmt(layerMax > 0 ? s / layerMax : s)} of 1 (raw ${fmt(s)}) · rank ${Number.isNaN(s) ? "—" : rk.data[row * N + p]} (0 = most important) of ${N}`}));
       const grid = el("div", {class: "ranks"});
-      for (let l = 0; l < L; l++) { const v = imp.data[(l + 1) * N + p]; grid.append(el("span", {text: `L${l} #${Number.isNaN(v) ? "—" : rk.data[(l + 1) * N + p] + 1}`})); }
+      for (let l = 0; l < L; l++) { const v = imp.data[(l + 1) * N + p]; grid.append(el("span", {text: `L${l} #${Number.isNaN(v) ? "—" : rk.data[(l + 1) * N + p]}`})); }
       box.append(el("div", {class: "muted", text: "rank per layer:"}), grid);
     }
     const groups = evictInfo(p);
@@ -268,6 +269,7 @@ function traceReport() {
     const row = layer + 1;
     let max = 0;
     if (imp) for (let p = 0; p < N; p++) { const v = imp.data[row * N + p]; if (v > max) max = v; }
+    layerMax = max;
     for (let p = 0; p < N; p++) {
       const s = spans[p];
       const v = imp ? imp.data[row * N + p] : NaN;
@@ -279,7 +281,7 @@ function traceReport() {
       }
       s.classList.toggle("ev-all", evAll); s.classList.toggle("ev-part", evPart);
     }
-    const m = q(".imp-max"); if (m) m.textContent = imp ? `${fmt(max)} (${layerName(layer)}, square-root scale)` : "no scores";
+    const m = q(".imp-max"); if (m) m.textContent = imp ? `1 = the highest score of ${layerName(layer)}, ${fmt(max)} raw; square-root scale` : "no scores";
   }
   let heat = null;
   function getHeat() { if (!heat) heat = getComputedStyle(root).getPropertyValue("--heat").trim() || "255,140,0"; return heat; }
@@ -381,7 +383,7 @@ function traceReport() {
       return th;
     }));
     const body = rows.map((r) => el("tr", {"data-p": r.position}, ...cols.map(([k]) => {
-      const v = k === "rank" ? r.rank + 1 : r[k];
+      const v = r[k];
       return el("td", {class: k === "text" ? "tokcell" : typeof v === "number" ? "num" : "", text: k === "text" ? JSON.stringify(v) : fmt(v)});
     })));
     table.replaceChildren(el("thead", {}, head), el("tbody", {}, ...body));
