@@ -82,6 +82,7 @@ class Capture:
     per_step_accepted: list[int] | None
     num_draft_tokens: int
     num_accepted_tokens: int
+    text: str = ""
     finish_reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     num_preemptions: int | None = None
@@ -129,6 +130,7 @@ class Observer:
         self._window: list[KVChange] = []
         self._window_started = 0.0
         self._window_count = 0
+        self._kv_lost = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -173,6 +175,7 @@ class Observer:
             request_id=req_state.external_req_id,
             prompt_ids=list(req_state.prompt_token_ids or ()),
             output_ids=list(detok.output_token_ids) if detok is not None else [],
+            text=getattr(detok, "output_text", "") or "",
             num_cached_tokens=int(req_state.num_cached_tokens or 0),
             preempted_at=list(getattr(req_state, "_sparseety_preempted", ())),
             per_step_drafted=list(spec.per_step_drafted) if spec is not None and spec.per_step_drafted else None,
@@ -227,6 +230,10 @@ class Observer:
     def process(self, final: bool) -> None:
         """Drain KV changes and finished requests (those old enough for their KV events, or all)."""
         if self.subscriber is not None:
+            lost = self.subscriber.dropped_changes + self.subscriber.seq_gaps
+            if lost > self._kv_lost:
+                self.metrics.kv_events_dropped.inc(lost - self._kv_lost)
+                self._kv_lost = lost
             changes = self.subscriber.take()
             if changes:
                 self._count_kv(changes)
@@ -309,6 +316,7 @@ class Observer:
             prompt_ids=c.prompt_ids,
             output_ids=c.output_ids,
             tier=tier,
+            text=c.text,
             params={"engine": ENGINE, **self.config},
             skipped_events=c.num_cached_tokens,
             draft_tokens=c.num_draft_tokens,
