@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,14 +32,22 @@ def active_context() -> RunContext | None:
     return _ACTIVE.get()
 
 
+T = TypeVar("T")
+
+
 @contextlib.contextmanager
-def activate(ctx: RunContext) -> Iterator[RunContext]:
-    """Make ``ctx`` the active run context inside the ``with`` block."""
-    token = _ACTIVE.set(ctx)
+def scoped(var: ContextVar[T | None], value: T) -> Iterator[T]:
+    """Set ``var`` to ``value`` inside the ``with`` block (this thread only), then restore it."""
+    token = var.set(value)
     try:
-        yield ctx
+        yield value
     finally:
-        _ACTIVE.reset(token)
+        var.reset(token)
+
+
+def activate(ctx: RunContext) -> contextlib.AbstractContextManager[RunContext]:
+    """Make ``ctx`` the active run context inside the ``with`` block."""
+    return scoped(_ACTIVE, ctx)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from sparseety.engine.context import RunContext
+from sparseety.engine.context import RunContext, scoped
 from sparseety.engine.probe import ModuleProbes
 
 
@@ -52,14 +52,9 @@ def active_packed() -> PackedForward | None:
     return _PACKED.get()
 
 
-@contextlib.contextmanager
-def activate_packed(packed: PackedForward) -> Iterator[PackedForward]:
+def activate_packed(packed: PackedForward) -> contextlib.AbstractContextManager[PackedForward]:
     """Make ``packed`` the packed forward in progress inside the ``with`` block."""
-    token = _PACKED.set(packed)
-    try:
-        yield packed
-    finally:
-        _PACKED.reset(token)
+    return scoped(_PACKED, packed)
 
 
 class _PackedLayer(CacheLayerMixin):
