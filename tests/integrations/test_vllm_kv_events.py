@@ -9,8 +9,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
-from conftest import require_vllm
-from vllm_server import ROOT, VENV, free_port
+from vllm_server import ROOT, VENV, free_port, require_vllm
 
 SCRIPT = textwrap.dedent('''
     import sys

@@ -11,8 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import require_vllm
-from vllm_server import BLOCK_SIZE, VllmServer
+from vllm_server import BLOCK_SIZE, VllmServer, require_vllm
 
 from sparseety.store import connect, list_traces, load_trace
 

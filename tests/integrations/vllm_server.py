@@ -11,12 +11,24 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SPARSEETY_VLLM_VENV", ROOT / ".venv-vllm"))
 VLLM = VENV / "bin" / "vllm"
 BLOCK_SIZE = 32  # CPU_ATTN takes multiples of 32
 NUM_BLOCKS = 32  # 1,024 tokens of KV: small enough to force evictions and preemptions
 MAX_MODEL_LEN = 768
+
+
+def require_vllm() -> None:
+    """Skip when the side venv is absent outside CI; in CI (which builds it) its absence fails the test."""
+    if VLLM.is_file():
+        return
+    reason = f"the vLLM side venv {VENV} is absent: build it with `bash scripts/setup-vllm.sh`"
+    if os.environ.get("CI"):
+        pytest.fail(reason + " (CI runs scripts/setup.sh --test, which builds it)")
+    pytest.skip(reason)
 
 
 def free_port() -> int:

@@ -1,0 +1,138 @@
+"""vLLM throughput with SparSEEty's observer against vLLM without it, side by side in one run.
+
+Two ``vllm serve`` processes from the side venv (``scripts/setup-vllm.sh``) run at once on the default
+model, with the same flags (prefix caching and KV-cache events on in both): one with every plugin
+disabled (``VLLM_PLUGINS=""``), one with the observer writing a tier-1 row for every request and its
+tier-2 trace for 5% (``SPARSEETY_SAMPLE_RATE=0.05``). Rounds alternate between them, only one loaded at a
+time, so load from other processes falls on both alike; each round sends the same distinct prompts from
+several concurrent clients and counts generated tokens per wall-clock second. The figure is the ratio of
+the medians (target >= 0.97).
+
+    .venv/bin/python benchmarks/vllm_observer_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM = Path(os.environ.get("SPARSEETY_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "vllm"
+WORDS = "river stone lamp orbit cedar violet signal harbor copper meadow lantern quartz ember falcon".split()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, name: str, env: dict[str, str], log_dir: Path) -> None:
+        self.model, self.name, self.port = model, name, free_port()
+        kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        args = [str(VLLM), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048", "--kv-events-config", kv]
+        full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")},
+                    "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **env}
+        self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name}: vllm serve exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"{self.name}: vllm serve did not start")
+
+    def complete(self, prompt: str, max_tokens: int) -> int:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())["usage"]["completion_tokens"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def one_round(server: Server, prompts: list[str], max_tokens: int, concurrency: int) -> float:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(lambda p: server.complete(p, max_tokens), prompts))
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sample-rate", type=float, default=0.05)
+    args = parser.parse_args()
+    if not VLLM.is_file():
+        raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
+    sys.path.insert(0, str(ROOT / "src"))
+    from sparseety.models.registry import resolve_model_dir
+
+    model = resolve_model_dir("smollm2-135m")
+    work = Path(tempfile.mkdtemp(prefix="vllm-observer-bench-"))
+    off = Server(model, "off", {"VLLM_PLUGINS": ""}, work)
+    on = Server(model, "observer", {"SPARSEETY_TRACE_DIR": str(work / "traces"), "SPARSEETY_TIER": "2",
+                                    "SPARSEETY_SAMPLE_RATE": str(args.sample_rate)}, work)
+    try:
+        off.wait()
+        on.wait()
+        rates: dict[str, list[float]] = {"off": [], "observer": []}
+        for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
+            rng = random.Random(round_index)
+            prompts = [f"Round {round_index} note {i}: " + " ".join(rng.choice(WORDS) for _ in range(150))
+                       for i in range(args.requests)]
+            order = (off, on) if round_index % 2 == 0 else (on, off)
+            for server in order:
+                # each server sees each round's prompts once: no prefix-cache hits from a previous round
+                rate = one_round(server, [f"[{server.name}] {p}" for p in prompts], args.max_tokens,
+                                 args.concurrency)
+                if round_index:
+                    rates[server.name].append(rate)
+                    print(f"round {round_index} {server.name:8s} {rate:7.1f} tokens/s", flush=True)
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        ratio = med["observer"] / med["off"]
+        print(json.dumps({"off_tokens_per_s": round(med["off"], 1), "observer_tokens_per_s": round(med["observer"], 1),
+                          "ratio": round(ratio, 3), "target": 0.97, "rounds": args.rounds,
+                          "requests": args.requests, "concurrency": args.concurrency,
+                          "max_tokens": args.max_tokens, "sample_rate": args.sample_rate}))
+    finally:
+        on.stop()
+        off.stop()
+
+
+if __name__ == "__main__":
+    main()
