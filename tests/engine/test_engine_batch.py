@@ -197,3 +197,27 @@ def test_bad_requests_are_refused_alone_and_the_rest_run(engine_for):
     with pytest.raises(InputError, match="generate_batch: 2 inputs but 1 policies"):
         engine.generate_batch(inputs([3, 4]), [build_policy("dense")])
     assert list(batch.run()) == [good.request_id]
+
+
+def test_a_sequence_stops_at_its_end_of_sequence_token_as_generate_does(tokenizer, greedy_reference, reference_model):
+    from tiny_models import build_model
+
+    from sparseety.engine import SparseEngine
+
+    ids = prompt_ids(30, seed=11)
+    free = greedy_reference("llama", ids, NEW)
+    eos = free[3]  # the fourth generated token ends the sequence once it is the end-of-sequence id
+    model = build_model("llama")
+    model.generation_config.eos_token_id = eos
+    engine = SparseEngine(model, tokenizer, model_name="tiny-llama-eos")
+    batch = BatchEngine(engine)
+    stopping = batch.add(EncodedInput(ids), build_policy("dense"), GenerationOptions(max_new_tokens=NEW))
+    running = batch.add(EncodedInput(prompt_ids(20, seed=12)), build_policy("dense"), GenerationOptions(max_new_tokens=NEW))
+    results = batch.run()
+    assert results[stopping.request_id].output_ids == free[: free.index(eos) + 1]
+    assert stopping.status is RequestStatus.FINISHED_STOPPED
+    assert running.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+    with torch.inference_mode():
+        plain = reference_model("llama").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                                  do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    assert results[stopping.request_id].output_ids == plain[0, ids.shape[1]:].tolist()
