@@ -29,7 +29,7 @@ def words(seed: int, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm):
+def server(tmp_path_factory):
     require_vllm()
     from sparseety.models.registry import resolve_model_dir
 
