@@ -1,0 +1,92 @@
+"""The plugin's hooks on vLLM's real ``OutputProcessor`` (side venv, no model): preemptions, the
+FinishedRequestStats join, bounded queues that drop and count, and the rows that reach the store.
+
+vLLM's frontend is driven directly with the ``EngineCoreOutput`` messages its engine core would send,
+so each case is exact and takes a second.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+
+from vllm_server import ROOT, VENV, require_vllm
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys, time
+    trace_dir = sys.argv[1]
+    os.environ.update(SPARSEETY_TRACE_DIR=trace_dir, SPARSEETY_QUEUE_SIZE="2", SPARSEETY_KV_EVENTS="off")
+    from vllm import SamplingParams
+    from vllm.v1.engine import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreRequest,
+                                FinishReason)
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.metrics.stats import IterationStats
+
+    from sparseety.integrations.vllm import plugin
+    from sparseety.integrations.vllm.observer import observer
+    from sparseety.integrations.vllm.metrics import metrics
+    from sparseety.store import connect
+
+    plugin.register()
+    plugin.register()  # vLLM may load general plugins twice: patched once
+    obs = observer()
+    proc = OutputProcessor(None, log_stats=True)
+
+    def add(rid, prompt):
+        params = SamplingParams(max_tokens=8, detokenize=False)
+        proc.add_request(EngineCoreRequest(rid, prompt, None, params, None, time.time(), None, None, None,
+                                           external_req_id=rid), None)
+
+    def step(outputs):
+        stats = IterationStats()
+        proc.process_outputs(outputs, time.monotonic(), stats)
+        return stats
+
+    # 1) stat-logger path: captures joined to vLLM's FinishedRequestStats
+    obs.has_stat_logger = True
+    add("a", list(range(10, 20)))
+    step([EngineCoreOutput("a", [5])])
+    step([EngineCoreOutput("a", [], events=[EngineCoreEvent(EngineCoreEventType.PREEMPTED, time.monotonic())])])
+    step([EngineCoreOutput("a", [6, 7])])
+    stats = step([EngineCoreOutput("a", [8], finish_reason=FinishReason.LENGTH)])
+    assert [f.request_id for f in stats.finished_requests] == ["a"]
+    assert stats.finished_requests[0].num_preemptions == 1  # vLLM's own count of the same event
+    assert "a" in obs._captures
+    for finished in stats.finished_requests:  # what SparseetyStatLogger.record does
+        obs.on_finished_stats(finished)
+    assert not obs._captures and len(obs._ready) == 1
+    obs.flush()
+
+    # 2) the ready queue holds SPARSEETY_QUEUE_SIZE records; the rest are dropped and counted
+    obs.has_stat_logger = False
+    obs._stop.set(); obs._thread.join()  # hold the worker so the queue fills
+    for rid in "bcde":
+        add(rid, [1, 2, 3])
+    step([EngineCoreOutput(rid, [9], finish_reason=FinishReason.STOP) for rid in "bcde"])
+    assert len(obs._ready) == 2 and obs.dropped_records == 2
+    assert metrics().trace_dropped._value.get() == 2
+    obs._stop.clear()
+    obs.flush()
+
+    con = connect(trace_dir)
+    rows = {r[0]: r for r in con.sql("SELECT request_id, prompt_token_ids, output_token_ids, extra_json "
+                                     "FROM requests").fetchall()}
+    assert sorted(rows) == ["a", "b", "c"], sorted(rows)
+    extra = json.loads(rows["a"][3])["vllm"]
+    assert list(rows["a"][1]) == list(range(10, 20)) and list(rows["a"][2]) == [5, 6, 7, 8]
+    assert extra["num_preemptions"] == 1 and extra["preempted_at_output_tokens"] == [1]
+    assert extra["finish_reason"] == "length" and extra["timings"]["e2e_s"] > 0
+    recomputed = con.sql("SELECT position, token_id FROM token_events WHERE request_id = 'a' AND "
+                         "event = 'recomputed' ORDER BY position").fetchall()
+    assert recomputed == [(p, t) for p, t in enumerate(list(range(10, 20)) + [5])]
+    assert json.loads(rows["b"][3])["vllm"]["finish_reason"] == "stop"
+    assert metrics().preemptions._value.get() == 1 and metrics().recomputed_tokens._value.get() == 11
+    print("ok")
+''')
+
+
+def test_hooks_on_vllms_output_processor(tmp_path):
+    require_vllm()
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", SCRIPT, str(tmp_path / "traces")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
