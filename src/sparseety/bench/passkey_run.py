@@ -90,15 +90,34 @@ def run_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policies: Se
                 ratios: Sequence[float], *, model: str, seed: int = 0, max_new_tokens: int = 16,
                 chat: bool | None = None, dense: bool = True,
                 on_result: Callable[[PasskeyResult], None] | None = None,
-                engine_options: dict[str, Any] | None = None) -> PasskeyReport:
-    """Every case under dense (the sanity row, when ``dense``) and under each policy at each ratio."""
+                engine_options: dict[str, Any] | None = None,
+                finished: Sequence[PasskeyResult] = ()) -> PasskeyReport:
+    """Every case under dense (the sanity row, when ``dense``) and under each policy at each ratio.
+
+    ``finished`` results (of a resumed run) are kept and their cases not run again.
+    """
     report = PasskeyReport(model=model, seed=seed, cases=list(cases))
-    plan = ([(DENSE, 0.0)] if dense else []) + [(p, r) for p in policies for r in ratios]
-    for name, ratio in plan:
-        for case in cases:
-            row = answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
-                              engine_options=engine_options)
-            report.results.append(row)
-            if on_result is not None:
-                on_result(row)
+    done = {result_key(r): r for r in finished}
+    for name, ratio, case in plan_cases(cases, policies, ratios, dense=dense):
+        key = (name, float(ratio), case.length, float(case.depth))
+        if key in done:
+            report.results.append(done[key])
+            continue
+        row = answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
+                          engine_options=engine_options)
+        report.results.append(row)
+        if on_result is not None:
+            on_result(row)
     return report
+
+
+def plan_cases(cases: Sequence[PasskeyCase], policies: Sequence[str], ratios: Sequence[float], *,
+               dense: bool = True) -> list[tuple[str, float, PasskeyCase]]:
+    """Every (policy, ratio, case) a run answers, in order: dense first (when ``dense``)."""
+    plan = ([(DENSE, 0.0)] if dense else []) + [(p, float(r)) for p in policies for r in ratios]
+    return [(name, ratio, case) for name, ratio in plan for case in cases]
+
+
+def result_key(result: PasskeyResult) -> tuple[str, float, int, float]:
+    """What identifies a result's case within a run: policy, ratio, length, depth."""
+    return (result.policy, float(result.ratio), int(result.length), float(result.depth))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -17,9 +17,6 @@ from sparseety.cli.lists import parse_list
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.models.registry import DEFAULT_MODEL
 from sparseety.run_file import with_run_file
-
-if TYPE_CHECKING:
-    from sparseety.bench import PasskeyResult
 
 bench_app = typer.Typer(help="Benchmarks of sparse policies.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -43,12 +40,18 @@ def passkey_cmd(
     prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
     attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
+    resume: bool = typer.Option(False, "--resume", help="Continue the unfinished run in --out without redoing "
+                                "its finished cases (passkey.json is rewritten after every case)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
 ) -> None:
     """Hide a pass key in license text at each length and depth; ask for it with the context compressed."""
-    from sparseety.bench import make_cases, run_passkey, tokenizer_counter
+    from sparseety.bench import PasskeyReport, PasskeyResult, make_cases, run_passkey, tokenizer_counter
     from sparseety.bench.passkey_plot import plot_passkey
+    from sparseety.bench.passkey_run import plan_cases
+    from sparseety.bench.resume import previous_run, write_document
+    from sparseety.cli.progress import steps
     from sparseety.engine import SparseEngine
-    from sparseety.errors import ConfigError
+    from sparseety.errors import ConfigError, InputError
     from sparseety.models import load_model
     from sparseety.policies import build_policy
 
@@ -63,29 +66,38 @@ def passkey_cmd(
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     extras = RunInputs(prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
     extras.check(need_source=False)
+    settings = {"model": model, "policies": names, "ratios": ratio_list, "lengths": length_list, "depths": depth_list,
+                "seed": seed, "max_new_tokens": max_new_tokens, "chat": chat, "prune_schedule": prune_schedule,
+                "prune_opt": list(prune_opt), "attention_topk": attention_topk}
+    target = out / "passkey.json"
+    before = previous_run(target, "passkey", settings, resume=resume)  # before the model loads
+    try:
+        finished = [PasskeyResult(**row) for row in before["results"]] if before else []
+    except (TypeError, KeyError) as exc:
+        raise InputError(f"cannot resume from {target}: its results are not passkey results ({exc})") from None
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
     engine_options = {"prune": extras.prune_for(engine.num_layers), "attention_topk": attention_topk}
     cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
-    console = Console(stderr=True)
-    total = len(cases) * (1 + len(names) * len(ratio_list))
-    done = 0
+    total = len(plan_cases(cases, names, ratio_list))
+    kept = list(finished)
 
-    def progress(row: PasskeyResult) -> None:
-        nonlocal done
-        done += 1
-        mark = "ok" if row.correct else "miss"
-        console.print(f"[{done}/{total}] {row.policy} ratio={row.ratio} length={row.length} depth={row.depth}: "
-                      f"{mark} {row.answer.strip()[:60]!r}", markup=False, highlight=False)
+    with steps(total, "passkey cases", quiet=quiet, done=len(finished)) as progress:
+        def keep(row: PasskeyResult) -> None:
+            kept.append(row)
+            so_far = PasskeyReport(model=model, seed=seed, cases=cases, results=kept).to_json()
+            write_document(target, {**so_far, "complete": False, "run": settings})
+            mark = "ok" if row.correct else "miss"
+            progress.advance(f"{row.policy} ratio={row.ratio} length={row.length} depth={row.depth}: {mark} "
+                             f"{row.answer.strip()[:40]!r}")
 
-    report = run_passkey(engine, cases, names, ratio_list, model=model, seed=seed,
-                         max_new_tokens=max_new_tokens, chat=chat, on_result=progress, engine_options=engine_options)
-    document = report.to_json()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "passkey.json").write_text(json.dumps(document, indent=1))
+        report = run_passkey(engine, cases, names, ratio_list, model=model, seed=seed, max_new_tokens=max_new_tokens,
+                             chat=chat, on_result=keep, engine_options=engine_options, finished=finished)
+    document = {**report.to_json(), "complete": True, "run": settings}
+    write_document(target, document)
     plot_passkey(document, out / "passkey.png")
     print_tables(document, Console())
-    Console().print(f"wrote {out / 'passkey.json'} and {out / 'passkey.png'}")
+    Console().print(f"wrote {target} and {out / 'passkey.png'}")
 
 
 def print_tables(document: dict[str, Any], console: Console) -> None:
