@@ -9,6 +9,7 @@ bisection found, and the curve shows every budget it evaluated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,16 +116,36 @@ def smallest_valid_budget(policy: str, options: dict[str, Any], upper: int) -> i
     return upper
 
 
+OnPoint = Callable[[TunePoint, TuneResult, int], None]
+"""Called after each newly evaluated budget: the point, the result so far, and about how many
+evaluations the whole search takes."""
+
+
+def evaluations(lo: int, hi: int, step: int) -> int:
+    """About how many budgets the bisection of ``lo..hi`` evaluates (for progress)."""
+    points = len(range(lo, hi, step)) + 1
+    return 1 if points == 1 else 2 + max(0, math.ceil(math.log2(points - 1)))
+
+
 def _search(policy: str, metric: str, threshold: float, evaluate: Callable[[int], float], lo: int, hi: int,
-            step: int, context_len: float) -> TuneResult:
+            step: int, context_len: float, known: dict[int, float] | None = None,
+            on_point: OnPoint | None = None) -> TuneResult:
     result = TuneResult(policy=policy, metric=metric, threshold=threshold)
     seen: dict[int, TunePoint] = {}
+    estimate = evaluations(lo, hi, step)
+
+    def point(budget: int, value: float) -> TunePoint:
+        return TunePoint(budget, round(max(0.0, 1.0 - budget / context_len), 6), value, meets(metric, value, threshold))
 
     def ok(budget: int) -> bool:
         if budget not in seen:
-            value = float(evaluate(budget))
-            seen[budget] = TunePoint(budget, round(max(0.0, 1.0 - budget / context_len), 6), value,
-                                     meets(metric, value, threshold))
+            if known is not None and budget in known:  # evaluated before a resumed run was killed
+                seen[budget] = point(budget, float(known[budget]))
+            else:
+                seen[budget] = point(budget, float(evaluate(budget)))
+                if on_point is not None:
+                    result.curve = [seen[b] for b in sorted(seen)]
+                    on_point(seen[budget], result, estimate)
         return seen[budget].meets
 
     answer = bisect_budget(ok, lo, hi, step)
@@ -136,10 +157,12 @@ def _search(policy: str, metric: str, threshold: float, evaluate: Callable[[int]
 def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metric: str, threshold: float, *,
                   options: dict[str, Any] | None = None, max_new_tokens: int = 64, min_budget: int | None = None,
                   max_budget: int | None = None, step: int = 1, seed: int = 0,
-                  engine_options: dict[str, Any] | None = None) -> TuneResult:
+                  engine_options: dict[str, Any] | None = None, known: dict[int, float] | None = None,
+                  on_point: OnPoint | None = None) -> TuneResult:
     """Search the budget of ``policy`` on one input by teacher-forced ``top1_agreement`` or ``mean_kl``.
 
     ``engine_options`` (``prune``, ``attention_topk``) apply beside the policy at every budget.
+    ``known`` budgets (of a resumed run) are not evaluated again; ``on_point`` follows each new one.
 
     The dense output is generated once; each budget costs one teacher-forced pass of the sparse policy.
     ``max_budget`` defaults to a budget that never evicts (the compressed context for the
@@ -166,15 +189,17 @@ def tune_fidelity(engine: SparseEngine, encoded: EncodedInput, policy: str, metr
                                             **(engine_options or {}))
         return getattr(fidelity(dense_lp, sparse_lp, targets), metric)
 
-    return _search(policy, metric, threshold, evaluate, lo, hi, step, context_len)
+    return _search(policy, metric, threshold, evaluate, lo, hi, step, context_len, known, on_point)
 
 
 def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str, threshold: float, *,
                  options: dict[str, Any] | None = None, max_new_tokens: int = 16, min_budget: int | None = None,
                  max_budget: int | None = None, step: int = 1, seed: int = 0, chat: bool | None = None,
-                 engine_options: dict[str, Any] | None = None) -> TuneResult:
+                 engine_options: dict[str, Any] | None = None, known: dict[int, float] | None = None,
+                 on_point: OnPoint | None = None) -> TuneResult:
     """Search the budget of ``policy`` by passkey accuracy over ``cases`` (long-document protocol);
-    ``engine_options`` (``prune``, ``attention_topk``) apply beside the policy."""
+    ``engine_options`` (``prune``, ``attention_topk``) apply beside the policy; ``known`` and
+    ``on_point`` as in :func:`tune_fidelity`."""
     from sparseety.bench.passkey import QUESTION, is_correct
     from sparseety.engine import encode_document
     from sparseety.policies import build_policy
@@ -198,4 +223,4 @@ def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str
             right += is_correct(case.passkey, out.text)
         return right / len(cases)
 
-    return _search(policy, "passkey", threshold, evaluate, lo, hi, step, mean_len)
+    return _search(policy, "passkey", threshold, evaluate, lo, hi, step, mean_len, known, on_point)

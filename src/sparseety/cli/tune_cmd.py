@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,17 @@ def tune_cmd(
     prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
     attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
-    out: Path | None = typer.Option(None, "--out", help="Write the tune JSON to this file."),
+    out: Path | None = typer.Option(None, "--out", help="Write the tune JSON to this file (rewritten after every "
+                                    "evaluated budget)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the unfinished tune in --out without "
+                                "re-evaluating its budgets."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr (as with --json)."),
     as_json: bool = opt.JSON_OPT,
 ) -> None:
     """Bisect the budget: evaluate the policy at a few budgets and print the curve and the smallest one that meets the bar."""
-    from sparseety.analysis.tune import check_metric, check_tunable, tune_fidelity, tune_passkey
+    from sparseety.analysis.tune import TunePoint, TuneResult, check_metric, check_tunable, tune_fidelity, tune_passkey
+    from sparseety.bench.resume import previous_run, write_document
+    from sparseety.cli.progress import Steps, steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
     from sparseety.models import load_model
@@ -76,22 +83,44 @@ def tune_cmd(
     else:
         inputs.check()
         sources = inputs.read_sources()
+    if resume and out is None:
+        raise InputError("--resume continues the tune written to --out: give --out FILE")
+    settings = {"model": model, "policy": policy, "metric": metric, "threshold": threshold,
+                "policy_opt": list(policy_opt), "max_new_tokens": max_new_tokens, "min_budget": min_budget,
+                "max_budget": max_budget, "step": step, "seed": seed, "prune_schedule": prune_schedule,
+                "prune_opt": list(prune_opt), "attention_topk": attention_topk, "chat": chat,
+                "lengths": lengths if metric == "passkey" else None, "depths": depths if metric == "passkey" else None,
+                "prompt": prompt, "prompt_file": str(prompt_file) if prompt_file else None,
+                "context_file": str(context_file) if context_file else None, "question": question}
+    before = previous_run(out, "tune", settings, resume=resume) if out is not None else None
+    known = {int(p["budget"]): float(p["value"]) for p in before["curve"]} if before else None
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
-    search = dict(options=inputs.options, max_new_tokens=max_new_tokens, min_budget=min_budget,
-                  max_budget=max_budget, step=step, seed=seed,
-                  engine_options={"prune": inputs.prune_for(engine.num_layers), "attention_topk": attention_topk})
-    if metric == "passkey":
-        from sparseety.bench import make_cases, tokenizer_counter
+    with ExitStack() as stack:
+        progress: list[Steps] = []
 
-        cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
-        result = tune_passkey(engine, cases, policy, threshold, chat=chat, **search)
-    else:
-        result = tune_fidelity(engine, inputs.encode(tokenizer, sources), policy, metric, threshold, **search)
-    document = result.to_json()
+        def keep(point: TunePoint, so_far: TuneResult, estimate: int) -> None:
+            if out is not None:
+                write_document(out, {**so_far.to_json(), "complete": False, "run": settings})
+            if not progress:
+                progress.append(stack.enter_context(steps(estimate, f"{policy} budgets", quiet=quiet or as_json,
+                                                          done=len(known or {}))))
+            progress[0].advance(f"budget {point.budget}: {metric} {point.value:.4f} "
+                                f"({'meets' if point.meets else 'misses'} the bar)")
+
+        search = dict(options=inputs.options, max_new_tokens=max_new_tokens, min_budget=min_budget,
+                      max_budget=max_budget, step=step, seed=seed, known=known, on_point=keep,
+                      engine_options={"prune": inputs.prune_for(engine.num_layers), "attention_topk": attention_topk})
+        if metric == "passkey":
+            from sparseety.bench import make_cases, tokenizer_counter
+
+            cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
+            result = tune_passkey(engine, cases, policy, threshold, chat=chat, **search)
+        else:
+            result = tune_fidelity(engine, inputs.encode(tokenizer, sources), policy, metric, threshold, **search)
+    document = {**result.to_json(), "complete": True, "run": settings}
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(document, indent=1))
+        write_document(out, document)
     if as_json:
         sys.stdout.write(json.dumps(document) + "\n")
         return
