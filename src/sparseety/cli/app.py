@@ -11,7 +11,8 @@ import typer
 from typer.core import TyperGroup
 
 from sparseety import __version__
-from sparseety.errors import SparseetyError
+from sparseety.cli.offline import offline_hint, resolve_offline
+from sparseety.errors import ModelLoadError, SparseetyError
 
 class OneLineErrors(TyperGroup):
     """The root group: a command-line usage error (unknown option, value of the wrong type or out of
@@ -50,8 +51,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fail(message: str, code: int = 2) -> None:
-    """Print ``error: message`` on stderr and exit with ``code`` (2: bad input)."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: message`` on stderr, on one line, and exit with ``code`` (2: bad input)."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
     raise typer.Exit(code)
 
 
@@ -69,6 +70,9 @@ def user_errors(fn: F) -> F:
             check_bounds(kwargs)
             with collected(echo=True):
                 return fn(*args, **kwargs)
+        except ModelLoadError as exc:
+            hint = offline_hint()
+            fail(f"{exc} ({hint})" if hint else str(exc))
         except SparseetyError as exc:
             fail(str(exc))
 
@@ -88,6 +92,7 @@ def _root(
     ),
 ) -> None:
     """SparSEEty command line."""
+    resolve_offline()
 
 
 def main() -> None:
