@@ -238,3 +238,25 @@ def test_audit_usage_explains_vllms_cached_tokens(server, traffic, tmp_path):
     assert f"{second['server_cached']} of the {second['server_prompt']} prompt tokens came from the server's " \
            "prefix cache" in second["cached_note"]
     assert chat["server_cached"] is not None and chat["cached_note"]
+
+
+def test_project_tools_read_vllm_traces(server, traffic, tmp_path):
+    """`traces show`, `report` and `query` run unchanged on what the observer wrote."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = str(Path(sys.executable).with_name("sparseety"))
+    request_id = traffic["rows"][1]["request_id"]
+    shown = subprocess.run([cli, "traces", "show", "--trace-dir", str(server.trace_dir), request_id],
+                           capture_output=True, text=True, check=True).stdout
+    assert request_id in shown and "policy vllm" in shown and "cached.position" in shown
+    html = tmp_path / "report.html"
+    subprocess.run([cli, "report", str(server.trace_dir), "--request-id", request_id, "-o", str(html)],
+                   capture_output=True, text=True, check=True)
+    assert request_id in html.read_text()
+    cached = traffic["responses"][1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    out = subprocess.run([cli, "query", "--trace-dir", str(server.trace_dir), "--format", "json",
+                          f"SELECT count(*) AS n FROM token_events WHERE request_id = '{request_id}' "
+                          "AND event = 'cached'"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [{"n": cached}]
