@@ -11,6 +11,7 @@ at the next step. Nothing here blocks the event loop: sinks are fed with ``call_
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,9 @@ from sparseety.engine import RunResult, SparseEngine
 from sparseety.engine.batch import BatchEngine, StepOutput
 from sparseety.engine.request import GenerationOptions
 from sparseety.serve.planning import Plan
+
+
+_LOG = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -200,7 +204,7 @@ class EngineLoop:
                     live[1].admitted = now
             for out in outputs:
                 self._deliver(out, now)
-            self._on_step(self.batch)
+            _guarded(self._on_step, self.batch)
         self._fail_all(RuntimeError("the server is shutting down"))
 
     def _add(self, plan: Plan, sink: RequestSink, options: GenerationOptions) -> None:
@@ -229,10 +233,8 @@ class EngineLoop:
             return
         del self._live[out.request.request_id]
         assert out.result is not None and out.finish_reason is not None
-        try:
-            self._on_finish(plan, out.result, out.finish_reason, sink, now)
-        finally:
-            sink.finish(out.result, out.finish_reason)
+        _guarded(self._on_finish, plan, out.result, out.finish_reason, sink, now)
+        sink.finish(out.result, out.finish_reason)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, (_, sink) in list(self._live.items()):
@@ -244,3 +246,11 @@ class EngineLoop:
             self._inbox.clear()
         for _, sink, _ in arrivals:
             sink.fail(exc)
+
+
+def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    """Run a bookkeeping callback (metrics, tracing); its failure is logged and never stops the loop."""
+    try:
+        fn(*args)
+    except Exception:
+        _LOG.exception("sparseety engine loop: %s failed", getattr(fn, "__name__", fn))
