@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent('''
                          "event = 'recomputed' ORDER BY position").fetchall()
     assert recomputed == [(p, t) for p, t in enumerate(list(range(10, 20)) + [5])]
     assert json.loads(rows["b"][3])["vllm"]["finish_reason"] == "stop"
-    assert metrics().preemptions._value.get() == 1 and metrics().recomputed_tokens._value.get() == 11
+    assert metrics().preemptions._value.get() == 1 and metrics().freed_tokens._value.get() == 11
     print("ok")
 ''')
 

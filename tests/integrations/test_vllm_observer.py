@@ -169,6 +169,9 @@ def test_preemption_is_recorded(traffic):
     rows = traffic["rows"]
     assert sum(r["extra"]["vllm"]["num_preemptions"] for r in rows) == preempted_vllm
     assert delta(traffic, "sparseety:preemptions_total") == preempted_vllm
+    freed = sum(r["extra"]["vllm"]["recomputed_tokens"] for r in rows)
+    assert freed > 0 and delta(traffic, "sparseety:preempted_freed_tokens_total") == freed
+    assert 0 <= delta(traffic, "sparseety:preempted_recomputed_tokens_total") <= freed
     con = traffic["con"]
     for r, resp in zip(rows, traffic["responses"], strict=True):
         info = r["extra"]["vllm"]

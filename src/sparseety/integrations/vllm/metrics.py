@@ -31,8 +31,11 @@ class VllmMetrics:
                                          "the prefix cache.", registry=r)
         self.preemptions = Counter(P + "preemptions", "Times a request was preempted (its KV freed).",
                                    registry=r)
-        self.recomputed_tokens = Counter(P + "preempted_recomputed_tokens", "Tokens whose KV a preemption "
-                                         "freed, to be computed again.", registry=r)
+        self.freed_tokens = Counter(P + "preempted_freed_tokens", "Tokens whose KV a preemption freed "
+                                    "(prompt and output so far), summed over finished requests.", registry=r)
+        self.recomputed_tokens = Counter(P + "preempted_recomputed_tokens", "Tokens prefilled again when a "
+                                         "preempted request resumed: freed tokens the prefix cache no longer "
+                                         "held (vLLM's preempted prefix-cache queries minus hits).", registry=r)
         self.draft_tokens = Counter(P + "draft_tokens", "Speculative draft tokens proposed.", registry=r)
         self.draft_accepted = Counter(P + "draft_accepted_tokens", "Speculative draft tokens accepted.",
                                       registry=r)

@@ -212,6 +212,12 @@ class Observer:
         }
         self._enqueue(capture)
 
+    def on_prefix_cache_stats(self, stats: Any) -> None:
+        """vLLM's per-step prefix-cache stats: what resumed (preempted) requests had to prefill again."""
+        recomputed = int(stats.preempted_queries) - int(stats.preempted_hits)
+        if recomputed > 0:
+            self.metrics.recomputed_tokens.inc(recomputed)
+
     def _enqueue(self, capture: Capture) -> None:
         if len(self._ready) >= self.settings.queue_size:
             self.dropped_records += 1
@@ -264,7 +270,7 @@ class Observer:
         preemptions = c.num_preemptions if c.num_preemptions is not None else len(c.preempted_at)
         m.preemptions.inc(preemptions)
         recomputed = sum(len(c.prompt_ids) + n for n in c.preempted_at)
-        m.recomputed_tokens.inc(recomputed)
+        m.freed_tokens.inc(recomputed)
         m.draft_tokens.inc(c.num_draft_tokens)
         m.draft_accepted.inc(c.num_accepted_tokens)
         m.draft_rejected.inc(c.num_draft_tokens - c.num_accepted_tokens)

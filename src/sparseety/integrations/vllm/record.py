@@ -14,8 +14,10 @@ block across all of them):
   cache (``step`` the KV-event sequence number, ``layer`` the block's index in the prompt, ``score`` the
   event's Unix time);
 - ``recomputed``: positions whose KV vLLM freed when it preempted the request, to compute again on
-  resumption (``step``: output tokens the request had then; part of the recomputation may come back
-  from the prefix cache);
+  resumption (``step``: output tokens the request had then). vLLM keeps freed full blocks in its prefix
+  cache until they are reused, so part of them may be read back rather than recomputed; how many tokens
+  resumed requests really prefilled again is ``sparseety:preempted_recomputed_tokens`` (from vLLM's
+  prefix-cache stats, which it keeps for all requests together, not per request);
 - ``draft_accepted`` / ``draft_rejected``: speculative draft tokens per verify step (``step``), from
   vLLM's per-request detailed spec-decode metrics; vLLM reports counts per step, not the draft
   token ids or positions, so those columns are -1.

@@ -48,6 +48,8 @@ class SparseetyStatLogger(StatLoggerBase):
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
+        if scheduler_stats is not None and scheduler_stats.prefix_cache_stats is not None:
+            self.observer.on_prefix_cache_stats(scheduler_stats.prefix_cache_stats)
         if iteration_stats is None:
             return
         for finished in iteration_stats.finished_requests:
