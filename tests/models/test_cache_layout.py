@@ -67,7 +67,8 @@ def converted(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("SPARSEETY_CACHE", str(root))
     folder = Path(resolve_model_dir("smollm2-135m"))
     assert folder.is_relative_to(root)
-    return folder
+    yield folder
+    shutil.rmtree(root, ignore_errors=True)  # 0.5 GB per copy: not left for pytest's kept temp dirs
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,7 @@ def test_old_cache_is_migrated_on_load_with_identical_weights_and_tokens(convert
         assert value.dtype == migrated[key].dtype and np.array_equal(value, migrated[key]), key
     assert _greedy(old) == before == _greedy(converted)
     assert migrate_cache(old) is False  # idempotent
+    shutil.rmtree(root)
 
 
 def test_interrupted_migration_finishes_on_next_load(converted, tmp_path):
@@ -129,3 +131,5 @@ def test_interrupted_migration_finishes_on_next_load(converted, tmp_path):
     (old2 / "config.json").write_text(json.dumps(config))
     assert needs_migration(old2) and migrate_cache(old2) and not needs_migration(old2)
     assert EMBED_KEY in _keys(old2) and HEAD_KEY not in _keys(old2)
+    shutil.rmtree(old)
+    shutil.rmtree(old2)
