@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from vllm_server import BLOCK_SIZE, VllmServer, require_vllm
+from vllm_server import BLOCK_SIZE, MAX_BATCHED_TOKENS, VllmServer, require_vllm
 
 from sparseety.store import connect, list_traces, load_trace
 
@@ -117,6 +117,29 @@ def test_shared_prefix_cached_tokens_equal_vllms(traffic):
         first["extra"]["vllm"]["prefix_cache_blocks"][: vllm_cached // BLOCK_SIZE]
     assert delta(traffic, "sparseety:cached_prompt_tokens_total") == sum(
         r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in traffic["responses"])
+
+
+def test_chunked_prefill_steps_are_recorded(traffic):
+    con = traffic["con"]
+    checked = 0
+    for r, resp in zip(traffic["rows"], traffic["responses"], strict=True):
+        info = r["extra"]["vllm"]
+        if info["num_preemptions"]:
+            continue  # a resumed request prefills again: more chunks than its prompt
+        prompt_len = len(resp["choices"][0]["prompt_token_ids"])
+        cached = info["num_cached_tokens"]
+        chunks = info["prefill_chunks"]
+        assert chunks, r["request_id"]
+        assert chunks[0][0] == cached and sum(n for _, n in chunks) == prompt_len - cached
+        assert all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:], strict=False))  # contiguous
+        assert all(n <= MAX_BATCHED_TOKENS for _, n in chunks)
+        rows = con.sql("SELECT step, position, score FROM token_events WHERE request_id = ? AND "
+                       "event = 'prefill_chunk' ORDER BY step", params=[r["request_id"]]).fetchall()
+        assert [(p, int(n)) for _, p, n in rows] == [tuple(c) for c in chunks]
+        if prompt_len - cached > MAX_BATCHED_TOKENS:
+            assert len(chunks) >= 2
+            checked += 1
+    assert checked > 0, "no prompt was long enough to be prefilled in chunks"
 
 
 def _windows(con) -> list[dict]:

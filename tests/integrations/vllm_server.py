@@ -19,6 +19,7 @@ VLLM = VENV / "bin" / "vllm"
 BLOCK_SIZE = 32  # CPU_ATTN takes multiples of 32
 NUM_BLOCKS = 32  # 1,024 tokens of KV: small enough to force evictions and preemptions
 MAX_MODEL_LEN = 768
+MAX_BATCHED_TOKENS = 128  # prompts of a few hundred tokens are prefilled in several chunks
 
 
 def require_vllm() -> None:
@@ -61,6 +62,7 @@ class VllmServer:
             "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
             "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
             "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                               "endpoint": f"tcp://127.0.0.1:{self.kv_port}"}),
             "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,

@@ -74,6 +74,7 @@ class Capture:
     """What the frontend knew about one finished request."""
 
     request_id: str
+    internal_id: str
     prompt_ids: list[int]
     output_ids: list[int]
     num_cached_tokens: int
@@ -134,6 +135,14 @@ class Observer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._chunks: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
+        self.dropped_chunks = 0
+        self._chunk_thread: threading.Thread | None = None
+        self._channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
+        if self._channel:
+            self._chunk_thread = threading.Thread(target=self._receive_chunks, name="sparseety-vllm-chunks",
+                                                  daemon=True)
+            self._chunk_thread.start()
         if self.settings.trace_dir:
             from sparseety.store import TraceWriter
 
@@ -173,6 +182,7 @@ class Observer:
         spec = req_state.spec_decode_metrics
         capture = Capture(
             request_id=req_state.external_req_id,
+            internal_id=req_state.request_id,
             prompt_ids=list(req_state.prompt_token_ids or ()),
             output_ids=list(detok.output_token_ids) if detok is not None else [],
             text=getattr(detok, "output_text", "") or "",
@@ -224,6 +234,43 @@ class Observer:
             self.metrics.trace_dropped.inc()
             return
         self._ready.append(capture)
+
+    # -- prefill chunks from the engine core's scheduler hook ---------------------------------------------
+    def _receive_chunks(self) -> None:
+        import msgspec
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self._channel)
+        except zmq.ZMQError:
+            log.exception("sparseety: cannot bind the prefill-chunk channel %s", self._channel)
+            return
+        decode = msgspec.msgpack.Decoder(list[tuple[str, int, int]]).decode
+        limit = 4 * self.settings.queue_size
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                for req_id, start, n in decode(sock.recv()):
+                    chunks = self._chunks.get(req_id)
+                    if chunks is None:
+                        if len(self._chunks) >= limit:
+                            self._chunks.popitem(last=False)
+                            self.dropped_chunks += 1
+                        chunks = self._chunks[req_id] = []
+                    chunks.append((start, n))
+        except Exception:
+            log.exception("sparseety: prefill-chunk receiver stopped")
+        finally:
+            sock.close(0)
+            if self._channel.startswith("ipc://"):
+                try:
+                    os.unlink(self._channel[len("ipc://"):])
+                except OSError:
+                    pass
 
     # -- worker thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -282,7 +329,15 @@ class Observer:
         if self.block_size and self.subscriber is not None:
             blocks = self.index.prompt_blocks(c.prompt_ids, self.block_size)
             self.index.mark_used(blocks, c.request_id)
+        chunks = self._chunks.pop(c.internal_id, [])
+        sequence = c.prompt_ids + c.output_ids
         if tier >= 2:
+            if chunks:
+                chunk_group = EventGroup()
+                for index, (start, n) in enumerate(chunks):
+                    token = sequence[start] if 0 <= start < len(sequence) else -1
+                    chunk_group.add(index, -1, start, token, float(n))
+                arrays.update(chunk_group.arrays("prefill_chunk"))
             cached = EventGroup()
             cached.extend_positions(0, -1, 0, c.prompt_ids[: c.num_cached_tokens])
             stored = EventGroup()
@@ -291,7 +346,6 @@ class Observer:
                 if start >= c.num_cached_tokens:
                     stored.extend_positions(block.stored_seq, depth, start, block.token_ids, block.stored_ts)
             recomputed_group = EventGroup()
-            sequence = c.prompt_ids + c.output_ids
             for n in c.preempted_at:
                 recomputed_group.extend_positions(n, -1, 0, sequence[: len(c.prompt_ids) + n])
             for kind, group in (("cached", cached), ("kv_stored", stored), ("recomputed", recomputed_group)):
@@ -314,6 +368,7 @@ class Observer:
                 "per_step_accepted": c.per_step_accepted,
             },
             "prefix_cache_blocks": [hash_text(b.block_hash) for b in blocks],
+            "prefill_chunks": [[start, n] for start, n in chunks] if self._channel else None,
             "block_size": self.block_size,
         }
         run = VllmRun(
@@ -381,6 +436,7 @@ class Observer:
         sub = self.subscriber
         return {"captures_waiting": len(self._captures), "ready": len(self._ready),
                 "dropped_captures": self.dropped_captures, "dropped_records": self.dropped_records,
+                "dropped_chunk_requests": self.dropped_chunks,
                 "unjoined": self.unjoined, "kv_batches": sub.batches if sub else 0,
                 "kv_dropped": sub.dropped_changes if sub else 0, "kv_seq_gaps": sub.seq_gaps if sub else 0,
                 "kv_removed_unknown": self.index.removed_unknown}
@@ -396,6 +452,8 @@ class Observer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2)
+        if self._chunk_thread is not None:
+            self._chunk_thread.join(2)
         try:
             for capture in list(self._captures.values()):  # never joined: keep what the frontend knew
                 self._captures.pop(capture.request_id, None)

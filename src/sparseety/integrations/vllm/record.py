@@ -8,6 +8,9 @@ Token events a vLLM record holds (``token_events.event``; columns as for every e
 ``step, layer, kv_head, position, token_id, score``; ``layer`` and ``kv_head`` are -1, vLLM shares a
 block across all of them):
 
+- ``prefill_chunk``: one row per step that prefilled part of the prompt (``step``: the chunk's index,
+  ``position``: its first position, ``token_id``: the token there, ``score``: how many prompt tokens
+  it prefilled); a prompt prefilled in one step has one row, a resumed preemption adds rows;
 - ``cached``: prompt positions whose prefill vLLM skipped, their KV read from the prefix cache
   (``step`` 0; there are ``num_cached_tokens`` of them);
 - ``kv_stored``: prompt positions this request computed whose full block vLLM then kept in the prefix
