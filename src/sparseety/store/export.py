@@ -10,7 +10,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
 
-from sparseety.errors import InputError
+import duckdb
+import pyarrow as pa
+
+from sparseety.errors import InputError, RecordError
 from sparseety.store.reader import connect
 from sparseety.store.tables import TABLES
 
@@ -42,16 +45,35 @@ def export_jsonl(trace_dir: str | Path, out: IO[str], *, tables: Iterable[str] =
     con = connect(trace_dir)
     counts: dict[str, int] = {}
     try:
-        for table in chosen:
-            where, params = ("WHERE request_id = ?", [request_id]) if request_id is not None else ("", [])
-            reader = con.sql(f"SELECT * FROM {table} {where}", params=params).to_arrow_reader(batch_size=4096)
-            counts[table] = 0
-            for batch in reader:
-                for row in batch.to_pylist():
-                    out.write(json.dumps({"table": table, **plain(row)}, ensure_ascii=False) + "\n")
-                    counts[table] += 1
+        _write_rows(con, chosen, out, request_id, counts)
+    except duckdb.Error as exc:
+        raise _read_error(exc) from None
     finally:
         con.close()
     if request_id is not None and not counts.get("requests", 1) and "requests" in chosen:
         raise InputError(f"no request with id {request_id!r} in {trace_dir}")
     return counts
+
+
+def _write_rows(con: duckdb.DuckDBPyConnection, chosen: list[str], out: IO[str], request_id: str | None,
+                counts: dict[str, int]) -> None:
+    for table in chosen:
+        where, params = ("WHERE request_id = ?", [request_id]) if request_id is not None else ("", [])
+        reader = con.sql(f"SELECT * FROM {table} {where}", params=params).to_arrow_reader(batch_size=4096)
+        counts[table] = 0
+        batches = iter(reader)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as exc:  # a damaged file met mid-stream comes as an Arrow error
+                raise _read_error(exc) from None
+            for row in batch.to_pylist():
+                out.write(json.dumps({"table": table, **plain(row)}, ensure_ascii=False) + "\n")
+                counts[table] += 1
+
+
+def _read_error(exc: BaseException) -> RecordError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RecordError(f"reading the trace dataset failed: {first} (run `sparseety traces check`)")

@@ -85,17 +85,44 @@ def _connect(scan: Scan) -> duckdb.DuckDBPyConnection:
     for table in VIEWS:
         files = scan.files[table]
         if files:
-            listed = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
-            con.execute(
-                f"CREATE VIEW {table} AS SELECT * FROM read_parquet({listed}, hive_partitioning = true, "
-                f"union_by_name = true)"
-            )
+            try:
+                _create_view(con, table, files)
+            except duckdb.Error:  # a file whose footer pyarrow read but DuckDB refuses: find and skip it
+                files = scan.files[table] = _readable_by_duckdb(con, files)
+        if files:
+            try:
+                _create_view(con, table, files)
+            except duckdb.Error as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise RecordError(f"cannot read table {table} of {scan.root}: {first} "
+                                  "(run `sparseety traces check`)") from None
         else:
             empty = TABLES[table].empty_table().append_column("date", pa.array([], pa.date32()))
             con.register(f"_empty_{table}", empty)
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
     lock_down(con, scan.all_files())
     return con
+
+
+def _create_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> None:
+    listed = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
+    con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM read_parquet({listed}, hive_partitioning = true, "
+                f"union_by_name = true)")
+    con.execute(f"SELECT * FROM {table} LIMIT 0").fetchall()
+
+
+def _readable_by_duckdb(con: duckdb.DuckDBPyConnection, files: list[Path]) -> list[Path]:
+    readable = []
+    for path in files:
+        try:
+            con.execute("SELECT * FROM read_parquet(?) LIMIT 0", [str(path)]).fetchall()
+        except duckdb.Error as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            notice(f"skipped damaged file {path}: DuckDB cannot read it ({first}) "
+                   f"(`sparseety traces check --repair` quarantines it)")
+            continue
+        readable.append(path)
+    return readable
 
 
 def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:

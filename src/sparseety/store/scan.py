@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
 import pyarrow.parquet as pq
 
 from sparseety.errors import RecordError
@@ -140,6 +141,8 @@ def _problem(path: Path, table: str, deep: bool) -> str | None:
     if deep:
         try:
             pq.read_table(path)
+            with duckdb.connect(":memory:") as con:  # the reader that queries it must decode it too
+                con.sql("SELECT * FROM read_parquet(?)", params=[str(path)]).to_arrow_table()
         except Exception as exc:
             return f"data cannot be decoded ({_first_line(exc)})"
     return None
