@@ -3,6 +3,8 @@ is handled (exit 0/1/2, one ``error:`` line on failure, never a traceback), and 
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -77,7 +79,8 @@ def test_fast_commands_never_trace_back(argv: list[str], dataset: Path, tmp_path
     argv = [a.replace("x.csv", str(out_dir / "x.csv")) for a in argv]
     if argv[0] not in ("policies", "models"):
         argv += ["--trace-dir", str(dataset)]
-    assert_clean(CliRunner().invoke(app, argv))
+    with contextlib.chdir(out_dir):  # a relative -o lands in a temporary folder, never in the checkout
+        assert_clean(CliRunner().invoke(app, argv))
 
 
 @examples(60)
