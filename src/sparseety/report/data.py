@@ -105,6 +105,7 @@ def trace_view(trace: StoredTrace, *, layer: int | None = None) -> dict[str, Any
     view["moe"] = moe_load(arrays)
     view["drafts"] = drafts_per_step(arrays)
     view["pruning"] = pruning_per_layer(arrays, num_layers, len(prompt_ids))
+    view["marks"] = token_marks(arrays, positions)
     if positions > MAX_AXIS:
         view["notes"].append(f"{positions:,} positions: the timeline aggregates them into bins of "
                              f"{-(-positions // MAX_AXIS)} positions (colour = share of the bin in each state).")
@@ -115,6 +116,32 @@ def trace_view(trace: StoredTrace, *, layer: int | None = None) -> dict[str, Any
     if not texts and ids:
         view["notes"].append("Token texts were not stored (ids-only trace): tokens show as ⟨id⟩.")
     return view
+
+
+#: token lifecycle marks of the text view: mark -> (array prefix, what it means)
+MARKS = {
+    "cached": ("cached", "prefill skipped: KV served from the prefix cache"),
+    "recomputed": ("recomputed", "KV freed by a preemption, computed again"),
+    "rejected": ("drafted", "a draft proposed here was rejected"),
+}
+
+
+def token_marks(arrays: dict[str, np.ndarray], positions: int) -> dict[str, list[int]] | None:
+    """Positions to mark in the text view: ``cached`` (prefix-cache hits), ``recomputed`` (preemptions) and
+    ``rejected`` (a rejected speculative draft at that position); None when the trace has none.
+
+    Reads ``cached.position``, ``recomputed.position`` and ``drafted.{position,rejected}`` (a vLLM
+    trace reports draft counts only: its draft positions are -1 and mark nothing).
+    """
+    marks: dict[str, list[int]] = {}
+    for mark, (prefix, _) in MARKS.items():
+        where = np.asarray(arrays.get(f"{prefix}.position", ()), dtype=np.int64)
+        if mark == "rejected" and where.size:
+            where = where[np.asarray(arrays.get("drafted.rejected", np.zeros_like(where))) != 0]
+        where = np.unique(where[(where >= 0) & (where < positions)])
+        if where.size:
+            marks[mark] = where.tolist()
+    return marks or None
 
 
 def summary(document: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]:

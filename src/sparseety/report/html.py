@@ -111,6 +111,14 @@ def _kv(rows: list[tuple[str, Any]]) -> str:
         f"<tr><td>{escape(str(k))}</td><td>{escape('—' if v is None else str(v))}</td></tr>" for k, v in rows) + "</table>"
 
 
+def _mark_legend(marks: dict[str, list[int]] | None) -> str:
+    """Legend entries for the lifecycle marks the trace has (cached, recomputed, rejected drafts)."""
+    from sparseety.report.data import MARKS
+
+    return "".join(f'<span><span class="tok mark-{name}">abc</span> {escape(MARKS[name][1])} ({len(marks[name])})</span>'
+                   for name in MARKS if marks and name in marks)
+
+
 def _trace_body(view: dict[str, Any], root_id: str) -> str:
     sections: list[tuple[str, str, str]] = []
     cards = "".join(f'<div class="card"><h3>{escape(group)}</h3>{_kv(rows)}</div>' for group, rows in view["summary"])
@@ -122,6 +130,7 @@ def _trace_body(view: dict[str, Any], root_id: str) -> str:
         legend = ('<div class="legend"><span>importance 0 <span class="ramp"></span> 1 (<span class="imp-max"></span>)</span>'
                   '<span><i style="background:transparent;border-bottom:2px dotted var(--evicted)"></i>evicted by some KV heads</span>'
                   '<span><s style="text-decoration-color:var(--evicted)">abc</s> evicted by all KV heads</span>'
+                  + _mark_legend(view.get("marks")) +
                   '<span>hover a token for its id, position, score, rank per layer and evictions</span></div>')
         sections.append(("text", "Text", legend + '<div class="label">Prompt</div><div class="text prompt"></div>'
                          '<div class="label">Output</div><div class="text output"></div>'))

@@ -200,6 +200,10 @@ function traceReport() {
   const first = T ? unpack(T.first_step) : null, full = T ? unpack(T.all_step) : null, cnt = T ? unpack(T.heads_evicted) : null;
   const select = q("select.layer-select");
   let layer = D.layer === null ? -1 : D.layer;   /* -1: all layers */
+  const marked = {}; for (const [name, list] of Object.entries(D.marks || {})) marked[name] = new Set(list);
+  const MARK_TEXT = [["cached", "prefill skipped: KV served from the prefix cache"],
+                     ["recomputed", "KV freed by a preemption, computed again"],
+                     ["rejected", "a speculative draft proposed here was rejected"]];
   const spans = [];
 
   function layerName(l) { return l < 0 ? "all layers" : `layer ${l}`; }
@@ -229,6 +233,7 @@ function traceReport() {
       for (let l = 0; l < L; l++) { const v = imp.data[(l + 1) * N + p]; grid.append(el("span", {text: `L${l} #${Number.isNaN(v) ? "—" : rk.data[(l + 1) * N + p]}`})); }
       box.append(el("div", {class: "muted", text: "rank per layer:"}), grid);
     }
+    for (const [name, why] of MARK_TEXT) if (marked[name] && marked[name].has(p)) box.append(el("div", {text: why}));
     const groups = evictInfo(p);
     if (groups) {
       if (p >= N - 1 && groups.size === 0) box.append(el("div", {class: "muted", text: "last token: never fed back, never cached"}));
@@ -254,7 +259,8 @@ function traceReport() {
   if (prompt) {
     const fp = document.createDocumentFragment(), fo = document.createDocumentFragment();
     for (let p = 0; p < N; p++) {
-      const s = el("span", {class: "tok" + (p >= P ? " gen" : ""), "data-p": p, text: texts[p]});
+      const marks = MARK_TEXT.filter(([name]) => marked[name] && marked[name].has(p)).map(([name]) => " mark-" + name).join("");
+      const s = el("span", {class: "tok" + (p >= P ? " gen" : "") + marks, "data-p": p, text: texts[p]});
       spans.push(s); (p < P ? fp : fo).append(s);
     }
     prompt.append(fp); output.append(fo);
