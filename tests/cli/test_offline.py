@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparseety.cli import app
-from sparseety.cli.offline import ALLOW_DOWNLOADS, resolve_offline
+from sparseety.models.offline import ALLOW_DOWNLOADS, resolve_offline
 
 
 @pytest.fixture
@@ -51,3 +51,15 @@ def test_an_explicit_hf_setting_is_respected(clean_env):
     clean_env.setenv("HF_HUB_OFFLINE", "0")
     resolve_offline()
     assert os.environ["HF_HUB_OFFLINE"] == "0" and huggingface_hub.constants.HF_HUB_OFFLINE is False
+
+
+def test_the_python_api_resolves_offline_too(clean_env):
+    from sparseety.errors import ModelLoadError
+    from sparseety.models import load_model
+
+    attempts: list[object] = []
+    clean_env.setattr(socket.socket, "connect", lambda self, address: attempts.append(address) or (_ for _ in ()).throw(
+        OSError("network is off in this test")))
+    with pytest.raises(ModelLoadError, match=f"{ALLOW_DOWNLOADS}=1"):
+        load_model("nobody-org/no-such-model")
+    assert attempts == [] and "HF_HUB_OFFLINE" not in os.environ  # local_files_only: no connection, no global switch

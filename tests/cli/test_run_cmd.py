@@ -107,3 +107,13 @@ def _keep_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k in {"HOME", "SPARSEETY_CACHE", "HF_HOME", "TMPDIR"}}
+
+
+def test_a_long_decode_reports_progress_on_stderr_and_json_stays_quiet(tmp_path: Path):
+    args = ["--prompt", "Name three colours.", "--max-new-tokens", "40", "--trace-dir", str(tmp_path), "--no-report"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if "decode (steps of 16 tokens)" in line]
+    assert [line.split("]")[0] for line in lines] == ["[1/3", "[2/3", "[3/3"][: len(lines)] and len(lines) >= 2
+    quiet = invoke(*args, "--json")
+    assert quiet.exit_code == 0 and "decode (steps" not in quiet.stderr

@@ -373,6 +373,9 @@ def test_full_queue_answers_429_at_once(server):
     error = _error(reply, 429, None)
     assert error["code"] == "rate_limit_exceeded" and reply.headers["retry-after"] == "1"
     assert scrape(server.url)["sparseety:request_rejected_total{reason=queue_full}"] == before + 1
+    deadline = time.monotonic() + 120  # the streams' clients left: their requests leave at the next step
+    while server.state.loop.running + server.state.loop.waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).status_code == 200
 
 

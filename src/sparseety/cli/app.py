@@ -11,7 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from sparseety import __version__
-from sparseety.cli.offline import offline_hint, resolve_offline
+from sparseety.models.offline import offline_hint, resolve_offline
 from sparseety.errors import ModelLoadError, SparseetyError
 
 class OneLineErrors(TyperGroup):
@@ -72,7 +72,7 @@ def user_errors(fn: F) -> F:
                 return fn(*args, **kwargs)
         except ModelLoadError as exc:
             hint = offline_hint()
-            fail(f"{exc} ({hint})" if hint else str(exc))
+            fail(f"{exc} ({hint})" if hint and hint not in str(exc) else str(exc))
         except SparseetyError as exc:
             fail(str(exc))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -12,6 +13,7 @@ from rich.progress import Progress
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.progress import Steps, steps
 from sparseety.cli.run_inputs import RunInputs, read_text
 from sparseety.errors import InputError
 from sparseety.run_file import with_run_file
@@ -96,13 +98,15 @@ def run(
     engine = SparseEngine(lm, tokenizer, model)
 
     stderr = Console(stderr=True)
-    with Progress(console=stderr, transient=True, disable=as_json or encoded.input_len < 512) as progress:
+    with Progress(console=stderr, transient=True, disable=as_json or encoded.input_len < 512) as progress, \
+            steps(-(-max_new_tokens // DECODE_STEP), f"decode (steps of {DECODE_STEP} tokens)",
+                  quiet=as_json or max_new_tokens < 2 * DECODE_STEP) as decode:
         task = progress.add_task(f"prefill {encoded.input_len} tokens", total=engine.num_layers)
         result = engine.generate(
             encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
             speculative=speculative, seed=seed, request_id=request_id,
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
-            **inputs.engine_options(engine.num_layers),
+            streamer=DecodeProgress(decode), **inputs.engine_options(engine.num_layers),
         )
     report_path = None
     if tier >= 1:
@@ -126,11 +130,36 @@ def run(
         console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
 
 
+DECODE_STEP = 16  #: generated tokens per progress step of a long decode
+
+
+class DecodeProgress:
+    """A ``model.generate`` streamer that reports every :data:`DECODE_STEP` generated tokens."""
+
+    def __init__(self, decode: Steps) -> None:
+        self.decode, self.tokens, self.prompt_seen = decode, 0, False
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:  # the prompt comes first
+            self.prompt_seen = True
+            return
+        before = self.tokens // DECODE_STEP
+        self.tokens += int(value.numel())
+        for _ in range(self.tokens // DECODE_STEP - before):
+            self.decode.advance(f"{self.tokens} tokens")
+
+    def end(self) -> None:
+        if self.tokens % DECODE_STEP:
+            self.decode.advance(f"{self.tokens} tokens, done")
+
+
 def append_jsonl(trace_dir: Path, request_id: str, path: Path) -> None:
-    """Append every stored row of one request to ``path`` (the config file's ``logging.output_file``)."""
+    """Append every stored row of one request to ``path`` (the config file's ``logging.output_file``);
+    a missing folder is created, as ``report -o`` and ``export -o`` do."""
     from sparseety.store.export import export_jsonl
 
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as out:
             export_jsonl(trace_dir, out, request_id=request_id)
     except OSError as exc:

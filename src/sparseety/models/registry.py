@@ -87,7 +87,7 @@ def resolve_model_dir(name_or_path: str) -> str:
         raise ModelLoadError(
             f"model {name_or_path!r} is neither a built-in model ({known}) nor an existing directory"
         )
-    return name_or_path  # a Hugging Face id, loaded from the local hub cache
+    return name_or_path  # a Hugging Face id: from the local hub cache unless downloads are allowed
 
 
 def load_model(
@@ -108,11 +108,17 @@ def load_model(
     hf_logging.disable_progress_bar()  # keep stdout/stderr clean for the CLI and --json
     hf_logging.set_verbosity_error()
     source = resolve_model_dir(name_or_path)
+    from sparseety.models.offline import downloads_allowed
+
+    local = not downloads_allowed()  # offline first: never wait on the network unless the user opted in
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=local)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}") from exc
+        from sparseety.models.offline import offline_hint
+
+        hint = offline_hint()
+        raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}" + (f" ({hint})" if hint else "")) from exc
     model.to(device).eval()
     return model, tokenizer
 
@@ -122,8 +128,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase
     from transformers import AutoTokenizer
 
     try:
+        from sparseety.models.offline import downloads_allowed
+
         source = name_or_path if Path(name_or_path).is_dir() else resolve_model_dir(name_or_path)
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, local_files_only=not downloads_allowed())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {exc}") from exc
 

@@ -49,28 +49,28 @@ class ServeConfig(ValidatedConfig):
     host: str = "127.0.0.1"
     port: StrictInt = Field(8000, ge=0, le=65535)
     policy: str = "dense"
-    budget: StrictInt | None = Field(None, gt=0)
-    ratio: float | None = Field(None, ge=0, lt=1)
+    budget: StrictInt | None = Field(None, gt=0, le=1 << 20)
+    ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
     policy_opts: dict[str, str] = Field(default_factory=dict)
     trace_dir: Path | None = None
-    sample_rate: float = Field(0.05, ge=0, le=1)
+    sample_rate: float = Field(0.05, ge=0, le=1, allow_inf_nan=False)
     tier: StrictInt = Field(2, ge=1, le=3)
-    top_k: StrictInt = Field(16, gt=0)
+    top_k: StrictInt = Field(16, gt=0, le=1 << 20)
     api_key: str | None = None
     max_concurrency: StrictInt = Field(8, ge=1, le=256)
     max_queue: StrictInt | None = Field(None, ge=0, le=100_000)
-    kv_memory_limit: StrictInt | None = Field(None, ge=1)
+    kv_memory_limit: StrictInt | None = Field(None, ge=1, le=1 << 50)
     prefill_chunk: StrictInt = Field(512, ge=1, le=1 << 20)
     threads: StrictInt | None = Field(None, ge=1, le=1024)
-    max_tokens_limit: StrictInt = Field(256, ge=1)
-    max_body_bytes: StrictInt = Field(1 << 20, ge=256)
+    max_tokens_limit: StrictInt = Field(256, ge=1, le=1 << 20)
+    max_body_bytes: StrictInt = Field(1 << 20, ge=256, le=1 << 30)
     redact: StrictBool = False
     ids_only: StrictBool = False
-    trace_queue_size: StrictInt = Field(1024, ge=1)
+    trace_queue_size: StrictInt = Field(1024, ge=1, le=1 << 20)
     otlp_endpoint: str | None = None
     prune_schedule: str | None = None
     prune_opts: dict[str, str] = Field(default_factory=dict)
-    attention_topk: StrictInt | None = Field(None, gt=0)
+    attention_topk: StrictInt | None = Field(None, gt=0, le=1 << 20)
     layers: str = "all"
 
     @field_validator("kv_memory_limit", mode="before")

@@ -30,9 +30,9 @@ class SparsityRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: str | None = Field(None, min_length=1, max_length=64)
-    budget: StrictInt | None = Field(None, gt=0)
-    ratio: float | None = Field(None, ge=0, lt=1)
-    options: dict[str, str | int | float | bool] | None = None
+    budget: StrictInt | None = Field(None, gt=0, le=1 << 20)
+    ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    options: dict[str, str | int | float | bool] | None = Field(None, max_length=32)
     tier: StrictInt | None = Field(None, ge=1, le=3)
     trace: StrictBool = False
 
@@ -70,9 +70,9 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., max_length=256)
-    max_tokens: StrictInt | None = Field(None, description="Largest number of generated tokens.")
-    temperature: float | None = Field(None, ge=0, le=2, description="Accepted; generation is greedy.")
-    top_p: float | None = Field(None, ge=0, le=1, description="Accepted; generation is greedy.")
+    max_tokens: StrictInt | None = Field(None, ge=-(1 << 31), le=1 << 31, description="Largest number of generated tokens.")
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False, description="Accepted; generation is greedy.")
+    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, description="Accepted; generation is greedy.")
     n: StrictInt | None = Field(None, description="Only 1 (greedy generation gives one answer).")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -85,7 +85,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is a synonym of ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = Field(None, ge=-(1 << 31), le=1 << 31)
 
 
 class CompletionRequest(_GenerationRequest):

@@ -1,4 +1,4 @@
-"""Offline first: the command line resolves models from the machine (built-in names, local
+"""Offline first: SparSEEty (its command line and ``load_model``) resolves models from the machine (built-in names, local
 directories, the Hugging Face cache) and never waits on the network, unless the user opts in with
 ``SPARSEETY_ALLOW_DOWNLOADS=1``; a model that is not here fails at once, saying how to provide it."""
 
