@@ -45,12 +45,16 @@ def audit_usage(
                                      "disagreements": disagreements, "checks": [c.to_json() for c in checks]}) + "\n")
         return
     table = Table(title=f"usage audit: {base_url} ({model}) against tokenizer {tokenizer or model}")
-    for column in ("line", "kind", "prompt server/local", "completion server/local", "verdict", "likely cause"):
+    cached = any(c.server_cached is not None for c in checks)  # the server reports prefix-cache hits
+    for column in ("line", "kind", "prompt server/local", "completion server/local", "verdict", "likely cause",
+                   *(("cached prompt tokens",) if cached else ())):
         table.add_column(column)
     for c in checks:
         causes = "; ".join(x for x in (c.prompt_cause, c.completion_cause) if x) or ""
+        extra = (f"{c.server_cached}: {c.cached_note}" if c.server_cached is not None else "",) if cached else ()
         table.add_row(str(c.line), c.kind, f"{c.server_prompt}/{c.local_prompt}",
-                      f"{c.server_completion}/{c.local_completion}", "agree" if c.agrees else "DISAGREE", causes)
+                      f"{c.server_completion}/{c.local_completion}", "agree" if c.agrees else "DISAGREE", causes,
+                      *extra)
     console = Console(width=160)
     console.print(table)
     console.print(f"{len(checks) - disagreements} of {len(checks)} requests agree; {disagreements} disagree")
