@@ -454,3 +454,23 @@ def test_a_pruning_server_reports_pruned_tokens_and_matches_the_engine(engine):
     assert usage["sparsity"]["pruned_tokens"] == expected.pruned_tokens > 0
     assert usage["completion_tokens"] == len(expected.output_ids)
     assert reply.choices[0].text == expected.text
+
+
+def test_trace_lookup_says_pending_before_the_commit_and_dropped_when_the_writer_dropped_it(engine, tmp_path):
+    with live_server(engine, api_key=KEY, trace_dir=tmp_path / "t", sample_rate=1.0, trace_queue_size=1,
+                     max_tokens_limit=4) as srv:
+        writer = srv.state.tracer.writer
+        writer.pause()  # nothing is committed while paused; the queue holds one record
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        assert post(srv, "/v1/completions", body, headers={"X-Request-Id": "kept-1"}).status_code == 200
+        assert post(srv, "/v1/completions", body, headers={"X-Request-Id": "lost-2"}).status_code == 200
+        pending = httpx.get(f"{srv.url}/v1/traces/kept-1", headers={"Authorization": f"Bearer {KEY}"})
+        dropped = httpx.get(f"{srv.url}/v1/traces/lost-2", headers={"Authorization": f"Bearer {KEY}"})
+        unknown = httpx.get(f"{srv.url}/v1/traces/never-seen", headers={"Authorization": f"Bearer {KEY}"})
+        writer.resume()
+        assert writer.flush(60)
+        done = httpx.get(f"{srv.url}/v1/traces/kept-1", headers={"Authorization": f"Bearer {KEY}"})
+    assert pending.status_code == 202 and pending.json() == {"request_id": "kept-1", "status": "pending"}
+    assert dropped.status_code == 410 and dropped.json()["status"] == "dropped"
+    assert dropped.json()["error"]["code"] == "trace_dropped"
+    assert unknown.status_code == 404 and done.status_code == 200 and done.json()["request_id"] == "kept-1"

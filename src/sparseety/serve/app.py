@@ -200,6 +200,15 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
             stored, notes = await anyio.to_thread.run_sync(
                 lambda: collecting(lambda: load_trace(config.trace_dir, request_id)))
         except RecordError as exc:
+            status = tracer.writer.status(request_id) if tracer.enabled else None
+            if status == "pending" or engine_loop.has(request_id):  # accepted, still generating or not committed
+                return JSONResponse({"request_id": request_id, "status": "pending"}, status_code=202,
+                                    headers={"Retry-After": "1"})
+            if status == "dropped":
+                return JSONResponse({"request_id": request_id, "status": "dropped", "error": {
+                    "message": "this request's trace was dropped (the trace writer's queue was full or a write "
+                               "failed; see sparseety:trace_records_dropped)", "type": "invalid_request_error",
+                    "param": "request_id", "code": "trace_dropped"}}, status_code=410)
             raise APIError(404, str(exc), param="request_id", code="trace_not_found") from None
         arrays = {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in stored.arrays.items()}
         return JSONResponse(_jsonable({"request_id": stored.request_id, "tier": stored.tier,

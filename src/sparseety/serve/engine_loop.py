@@ -155,6 +155,10 @@ class EngineLoop:
         """Requests accepted but not yet in the batch."""
         return len(self._inbox) + self.batch.waiting
 
+    def has(self, request_id: str) -> bool:
+        """True while ``request_id`` is queued or generating."""
+        return request_id in self._live or any(plan.request_id == request_id for plan, _, _ in list(self._inbox))
+
     def submit(self, plan: Plan, sink: RequestSink, options: GenerationOptions) -> None:
         """Queue a request for the next step; raises :class:`QueueFull` when the queue has no room."""
         with self._wake:

@@ -125,6 +125,8 @@ class TraceWriter:
         self._committed_requests = self._committed_files = self._failed = 0
         self._last_error: str | None = None
         self._paths: OrderedDict[str, Path] = OrderedDict()  # the newest PATHS_KEPT requests
+        self._in_flight: dict[str, None] = {}  # accepted, not yet committed (or lost to an error)
+        self._lost: OrderedDict[str, None] = OrderedDict()  # the newest PATHS_KEPT dropped or failed requests
         self._closed = False
         self._stop = threading.Event()
         self._flushes: deque[threading.Event] = deque()
@@ -150,9 +152,29 @@ class TraceWriter:
         if len(self._queue) >= self.queue_size:
             with self._lock:  # producers only (and stats()): never held by the writer's hot path
                 self._dropped += 1
+                self._remember_lost([result.request_id])
             return False
+        self._in_flight[result.request_id] = None  # a dict store: atomic, no lock on the producer's path
         self._queue.append(_Item(result, sample_rate, extra, time.time()))
         return True
+
+    def status(self, request_id: str) -> str | None:
+        """Where a request's trace is: ``committed``, ``pending`` (accepted, not committed yet) or
+        ``dropped`` (queue full or a write error), for the newest :data:`PATHS_KEPT` requests; else None."""
+        with self._lock:
+            if request_id in self._paths:
+                return "committed"
+            if request_id in self._in_flight:
+                return "pending"
+            return "dropped" if request_id in self._lost else None
+
+    def _remember_lost(self, request_ids: list[str]) -> None:
+        """Under ``_lock``: these requests' traces will never be committed."""
+        for request_id in request_ids:
+            self._in_flight.pop(request_id, None)
+            self._lost[request_id] = None
+        while len(self._lost) > PATHS_KEPT:
+            self._lost.popitem(last=False)
 
     def stats(self) -> WriterStats:
         """A snapshot of the counters."""
@@ -257,7 +279,7 @@ class TraceWriter:
                 created_at=datetime.fromtimestamp(item.created, UTC),
             )
         except Exception as exc:
-            self._fail(1, exc)
+            self._fail(1, exc, [item.result.request_id])
             return
         if not self._pending:
             self._pending_since = time.monotonic()
@@ -271,7 +293,7 @@ class TraceWriter:
         try:
             commit = commit_rows(self.root, batch, compression=self.compression)
         except Exception as exc:
-            self._fail(len(batch), exc)
+            self._fail(len(batch), exc, [rows.request_id for rows in batch])
             return
         requests = [p for p in commit.files if p.parent.parent.name == "requests"]
         with self._lock:
@@ -280,6 +302,7 @@ class TraceWriter:
             for rows in batch:
                 day = f"date={rows.created_at.date().isoformat()}"
                 self._paths[rows.request_id] = next(p for p in requests if p.parent.name == day)
+                self._in_flight.pop(rows.request_id, None)
             while len(self._paths) > PATHS_KEPT:
                 self._paths.popitem(last=False)
         if self.on_commit is not None:
@@ -288,9 +311,10 @@ class TraceWriter:
             except Exception as exc:
                 self._record_error(exc)
 
-    def _fail(self, count: int, exc: BaseException) -> None:
+    def _fail(self, count: int, exc: BaseException, request_ids: list[str] | tuple[str, ...] = ()) -> None:
         with self._lock:
             self._failed += count
+            self._remember_lost(list(request_ids))
         self._record_error(exc)
 
     def _record_error(self, exc: BaseException) -> None:
