@@ -75,6 +75,8 @@ def test_compare_human_summary(tmp_path: Path):
     assert result.exit_code == 0, result.output
     assert "first divergence none (identical)" in result.stdout
     assert "teacher-forced fidelity" in result.stdout and "top-1 agreement" in result.stdout
+    progress = [line.split("]")[0] + "]" for line in result.stderr.splitlines() if "] compare: " in line]
+    assert progress == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]  # one line per run on a pipe (quiet with --json)
 
 
 def test_tune_cli(tmp_path: Path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,21 +46,28 @@ def dense_policy() -> Policy:
 def compare(engine: SparseEngine, encoded: EncodedInput, policy: Policy, *, max_new_tokens: int = 64,
             tier: int = 2, top_k: int = 16, speculative: int | None = None, seed: int = 0,
             embeddings: bool = True, prune: PruneSchedule | None = None, attention_topk: int | None = None,
-            layers: str | None = None, min_score: float = 0.0) -> Comparison:
+            layers: str | None = None, min_score: float = 0.0,
+            on_phase: Callable[[str], None] | None = None) -> Comparison:
     """Run dense and ``policy`` on ``encoded`` and measure the difference.
 
     Fidelity is teacher-forced along the dense output: both the dense and the sparse engine runs are
     fed the dense tokens, so every step compares distributions over the same next token. ``prune`` and
     ``attention_topk`` apply to the sparse side only; ``layers`` and ``min_score`` to both traces.
+    ``on_phase`` is called after each of the four runs with its name (progress).
     """
+    done = on_phase or (lambda _phase: None)
     common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, layers=layers, min_score=min_score)
     baseline = engine.generate(encoded, dense_policy(), **common)
+    done("dense baseline generated")
     sparse = engine.generate(encoded, policy, speculative=speculative, prune=prune, attention_topk=attention_topk,
                              **common)
+    done(f"{policy.name} generated")
     targets = baseline.output_ids
     dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=seed)
+    done("dense teacher-forced")
     sparse_lp = teacher_forced_logprobs(engine, encoded, policy, targets, seed=seed, prune=prune,
                                         attention_topk=attention_topk)
+    done(f"{policy.name} teacher-forced")
     return Comparison(
         baseline=baseline,
         sparse=sparse,

@@ -67,8 +67,12 @@ def compare_cmd(
     encoded = inputs.encode(tokenizer, sources)
     kv_policy = inputs.policy_for(encoded)
     engine = SparseEngine(lm, tokenizer, model)
-    result = compare(engine, encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-                     speculative=speculative, seed=seed, **inputs.engine_options(engine.num_layers))
+    from sparseety.cli.progress import steps
+
+    with steps(4, "compare", quiet=as_json) as progress:  # dense and sparse runs, then both teacher-forced
+        result = compare(engine, encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
+                         speculative=speculative, seed=seed, on_phase=progress.advance,
+                         **inputs.engine_options(engine.num_layers))
     report_path = None
     if tier >= 1:
         write_trace(result.baseline, trace_dir)
