@@ -157,7 +157,9 @@ class EngineLoop:
 
     def has(self, request_id: str) -> bool:
         """True while ``request_id`` is queued or generating."""
-        return request_id in self._live or any(plan.request_id == request_id for plan, _, _ in list(self._inbox))
+        with self._wake:  # the loop thread drains the inbox under this lock
+            queued = any(plan.request_id == request_id for plan, _, _ in self._inbox)
+        return queued or request_id in self._live
 
     def submit(self, plan: Plan, sink: RequestSink, options: GenerationOptions) -> None:
         """Queue a request for the next step; raises :class:`QueueFull` when the queue has no room."""
