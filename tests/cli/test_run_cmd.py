@@ -78,7 +78,7 @@ def test_ratio_resolves_budget_from_the_prompt(tmp_path: Path):
 def test_bad_input_is_a_clear_error(args: list[str], message: str):
     result = invoke(*args)
     assert result.exit_code == 2, result.output
-    assert f"error: " in result.stderr and message in result.stderr
+    assert "error: " in result.stderr and message in result.stderr
     assert "Traceback" not in result.output
 
 

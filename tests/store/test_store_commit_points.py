@@ -4,7 +4,6 @@ the kill left behind is found by ``traces check`` and removed by ``gc`` past the
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

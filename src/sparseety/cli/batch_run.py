@@ -26,7 +26,6 @@ def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens:
 
     if max_concurrency <= 0 or prefill_chunk <= 0:
         raise InputError("--max-concurrency and --prefill-chunk must be positive")
-    stderr = Console(stderr=True)
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
     items, errors = prepare(path, inputs, tokenizer, max_new_tokens, lambda: uuid.uuid4().hex)
