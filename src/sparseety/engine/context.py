@@ -167,10 +167,7 @@ class RunContext:
         self.partial_prefill = self.prompt_forward and seen + q_len < region_end
         self.choosing_layer = seen < context_end <= seen + q_len
         self.prefill_rows = (seen, region_end)
-        if self.compress_once:
-            scoring = seen < context_end  # only the context is compressed
-        else:
-            scoring = True
+        scoring = not self.compress_once or seen < context_end  # the long-document protocol compresses the context only
         self.evicting = self.policy.evicts and scoring and not self.partial_prefill
         self.carrying = self.policy.evicts and scoring and self.partial_prefill
         # Tokens fed beyond the one(s) this forward must process are speculative drafts.
@@ -266,8 +263,9 @@ class RunContext:
             self._plan = LayerPlan(
                 last_row=signal is Signal.LAST_ROW and not self.carrying,
                 window_rows=window_rows,
-                colsum_stride=policy.colsum_stride(region_end) if signal is Signal.COLSUM and self.prompt_forward
-                else (policy.colsum_stride(q) if signal is Signal.COLSUM else 0),
+                # a prefill chunk samples the rows of its whole region, a decode step its own rows
+                colsum_stride=policy.colsum_stride(region_end if self.prompt_forward else q)
+                if signal is Signal.COLSUM else 0,
                 topk=None if self.prompt_forward else (policy.budget if policy.attends_topk else self.attention_topk),
                 colsum_last=region_end - 1 - first if self.prompt_forward else q - 1,
             )
@@ -320,21 +318,19 @@ class RunContext:
             self.evictions.add(self.step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
 
     def _carry(self, layer: int, seen: LayerSignals) -> None:
+        """Keep an earlier chunk's signals, joined to what the chunks before it carried."""
         if seen.colsum is not None:
-            carried = self._carried_colsum.get(layer)
-            self._carried_colsum[layer] = seen.colsum if carried is None else _pad_keys(carried, seen.colsum.shape[-1]) + seen.colsum
+            self._carried_colsum[layer] = _joined(self._carried_colsum.get(layer), seen.colsum, rows=False)
         if seen.window is not None:
-            carried = self._carried_window.get(layer)
-            n = seen.window.shape[-1]
-            self._carried_window[layer] = seen.window if carried is None else torch.cat([_pad_keys(carried, n), seen.window], dim=2)
+            self._carried_window[layer] = _joined(self._carried_window.get(layer), seen.window, rows=True)
 
     def _add_carried(self, layer: int, seen: LayerSignals) -> None:
-        """The completing chunk's signals plus what the earlier chunks carried (rows over fewer keys pad with 0)."""
+        """The completing chunk's signals plus what the earlier chunks carried."""
         colsum, window = self._carried_colsum.pop(layer, None), self._carried_window.pop(layer, None)
-        if colsum is not None and seen.colsum is not None:
-            seen.colsum = _pad_keys(colsum, seen.colsum.shape[-1]) + seen.colsum
-        if window is not None and seen.window is not None:
-            seen.window = torch.cat([_pad_keys(window, seen.window.shape[-1]), seen.window], dim=2)
+        if seen.colsum is not None:
+            seen.colsum = _joined(colsum, seen.colsum, rows=False)
+        if seen.window is not None:
+            seen.window = _joined(window, seen.window, rows=True)
 
     def _record_importance(self, layer: int, positions: torch.Tensor, last_row: torch.Tensor) -> None:
         per_slot = group_mean(last_row, self.kv_heads)[0].float()  # [kv_heads, n]
@@ -361,6 +357,14 @@ class RunContext:
             self.skips.add(self.step, layer, left_out, None)
 
 
-def _pad_keys(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Zero-pad the last (key) axis of ``x`` to ``n`` (rows of an earlier chunk never saw the later keys)."""
-    return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))
+def _joined(carried: torch.Tensor | None, new: torch.Tensor, *, rows: bool) -> torch.Tensor:
+    """Earlier chunks' signal joined to this chunk's: window rows stacked (``rows``), else column sums added.
+
+    The earlier rows never saw this chunk's keys, so their key axis is zero-padded to ``new``'s.
+    """
+    if carried is None:
+        return new
+    n = new.shape[-1]
+    if carried.shape[-1] != n:
+        carried = torch.nn.functional.pad(carried, (0, n - carried.shape[-1]))
+    return torch.cat([carried, new], dim=2) if rows else carried + new
