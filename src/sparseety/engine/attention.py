@@ -215,6 +215,9 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
             probs = row_probs(query[:, :, q - drafts - prune_rows: q - drafts], key[:, :, : n - drafts], scaling)
         assert ctx.prune is not None
         ctx.prune.take_scores(probs)
+    seen.values = value
+    if plan.query_rows:  # only for policies that read query rows (a view, no copy)
+        seen.queries, seen.rotary = query[:, :, q - plan.query_rows:], ctx.rotary(layer, module)
     ctx.observe(layer, key, seen)
     return out
 

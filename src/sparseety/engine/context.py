@@ -23,6 +23,7 @@ from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
+from sparseety.policies.rotary import inverse_frequencies
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
 
@@ -59,6 +60,9 @@ class LayerSignals:
     colsum: torch.Tensor | None = None  #: ``[b, heads, n]`` attention received, summed over queries
     attended: torch.Tensor | None = None  #: ``[b, kv_heads, n]`` bool, slots the newest top-k row attended to
     skipped: int = 0  #: visible (row, kv_head, slot) triples a top-k step left out
+    queries: torch.Tensor | None = None  #: ``[b, heads, w, d]`` the policy's query rows (:meth:`Policy.query_rows`)
+    values: torch.Tensor | None = None  #: ``[b, kv_heads, n, d]`` the layer's cached values
+    rotary: torch.Tensor | None = None  #: ``[rotary_dim // 2]`` RoPE inverse frequencies, with ``queries``
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class LayerPlan:
     colsum_stride: int  #: 0: no column sums; k: every k-th query row (1 is exact)
     topk: int | None
     colsum_last: int = -1  #: with chunked prefill: the row (of this forward) that is the prefill's last row
+    query_rows: int = 0  #: the last query rows handed to the policy (:meth:`Policy.query_rows`)
 
 
 def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -147,6 +152,8 @@ class RunContext:
     _t0: float = 0.0
     _carried_colsum: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, n]`` of earlier chunks
     _carried_window: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, w, n]`` rows of earlier chunks
+    _carried_queries: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, w, d]`` query rows of earlier chunks
+    _rotary: dict[int, torch.Tensor | None] = field(default_factory=dict)  #: per layer, RoPE inverse frequencies
     _plan: LayerPlan | None = None
     _recording_plan: LayerPlan | None = None
 
@@ -268,8 +275,25 @@ class RunContext:
                 if signal is Signal.COLSUM else 0,
                 topk=None if self.prompt_forward else (policy.budget if policy.attends_topk else self.attention_topk),
                 colsum_last=region_end - 1 - first if self.prompt_forward else q - 1,
+                query_rows=self._query_rows(q),
             )
         return self._plan
+
+    def _query_rows(self, q: int) -> int:
+        """This forward's query rows the policy reads: at a prefill, those among the region's last ``query_rows()``."""
+        wanted = self.policy.query_rows() if self.evicting or self.carrying else 0
+        if wanted <= 0:
+            return 0
+        if not self.prompt_forward:
+            return min(q, wanted)
+        first, region_end = self.prefill_rows
+        return max(0, min(q, first + q - max(first, region_end - wanted)))
+
+    def rotary(self, layer: int, module: torch.nn.Module) -> torch.Tensor | None:
+        """RoPE inverse frequencies of ``module``'s layer (read from its config once per run)."""
+        if layer not in self._rotary:
+            self._rotary[layer] = inverse_frequencies(module)
+        return self._rotary[layer]
 
     def will_evict(self, layer: int, n: int) -> bool:
         """True when layer ``layer`` holding ``n`` slots evicts after this step's attention."""
@@ -304,6 +328,7 @@ class RunContext:
             positions=positions, keys=key,
             attention=None if signal is None else group_mean(signal, self.kv_heads),
             state=cache_layer.state, seed=self.seed,
+            queries=seen.queries, values=seen.values, rotary=seen.rotary,
         )
         scores, state = self.policy.score(obs)
         cache_layer.state = state
@@ -323,6 +348,8 @@ class RunContext:
             self._carried_colsum[layer] = _joined(self._carried_colsum.get(layer), seen.colsum, rows=False)
         if seen.window is not None:
             self._carried_window[layer] = _joined(self._carried_window.get(layer), seen.window, rows=True)
+        if seen.queries is not None:
+            self._carried_queries[layer] = _joined(self._carried_queries.get(layer), seen.queries, rows=True)
 
     def _add_carried(self, layer: int, seen: LayerSignals) -> None:
         """The completing chunk's signals plus what the earlier chunks carried."""
@@ -331,6 +358,9 @@ class RunContext:
             seen.colsum = _joined(colsum, seen.colsum, rows=False)
         if seen.window is not None:
             seen.window = _joined(window, seen.window, rows=True)
+        queries = self._carried_queries.pop(layer, None)
+        if seen.queries is not None:
+            seen.queries = _joined(queries, seen.queries, rows=True)
 
     def _record_importance(self, layer: int, positions: torch.Tensor, last_row: torch.Tensor) -> None:
         per_slot = group_mean(last_row, self.kv_heads)[0].float()  # [kv_heads, n]

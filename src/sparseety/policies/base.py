@@ -51,6 +51,14 @@ class Observation:
     state : ``[b, kv_heads, n]`` the per-slot accumulator this policy returned last time (compacted
         with the cache; new slots hold 0), or None before the first call.
     seed : run seed, for policies that draw random numbers.
+    queries : ``[b, heads, w, d]`` the last ``w <= Policy.query_rows()`` query rows (RoPE applied) of
+        this forward (a chunked prefill: of the whole prompt, carried across chunks), for policies
+        whose :meth:`Policy.query_rows` is > 0; None otherwise. Row ``j`` is the token of slot
+        ``n - w + j`` (new tokens are always the last slots).
+    values : ``[b, kv_heads, n, d]`` cached values (the live view, no copy).
+    rotary : ``[rotary_dim // 2]`` float32 RoPE inverse frequencies of this layer (the first
+        ``rotary_dim`` dims of a head are rotated, ``rotate_half`` layout), with ``queries``; None when
+        the model has none.
     """
 
     layer: int
@@ -62,6 +70,9 @@ class Observation:
     attention: torch.Tensor | None
     state: torch.Tensor | None
     seed: int
+    queries: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    rotary: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,6 +101,10 @@ class Policy:
 
     def window_rows(self) -> int:
         """Query rows needed for :attr:`Signal.WINDOW`."""
+        return 0
+
+    def query_rows(self) -> int:
+        """Last query rows a policy reads as :attr:`Observation.queries` (0: none, the engine copies nothing)."""
         return 0
 
     def colsum_stride(self, q_len: int) -> int:
