@@ -35,8 +35,9 @@ MIXED = [  # (policy, budget, options), every deterministic policy
     ("knorm", 22, {}),
     ("random", 19, {}),
     ("topk_attention", 12, {}),
+    ("kvzip", 21, {"window": "4"}),
 ]
-LENGTHS = [5, 40, 90, 17, 63, 33, 71, 28, 50]
+LENGTHS = [5, 40, 90, 17, 63, 33, 71, 28, 50, 45]
 
 
 def policies():
@@ -109,7 +110,7 @@ def test_requests_arriving_at_any_step_see_the_same(engine_for):
 
 @pytest.mark.parametrize("name, budget, opts", [
     ("h2o", 30, {}), ("h2o", 30, {"prefill_rows": 16}), ("snapkv", 30, {"window": 12}), ("pyramid", 30, {"window": 12}),
-    ("tova", 30, {}), ("streaming", 30, {}),
+    ("tova", 30, {}), ("streaming", 30, {}), ("kvzip", 30, {"chunk_size": "40"}),
 ])
 @pytest.mark.parametrize("chunk", [7, 32])
 def test_chunked_prefill_keeps_the_same_sets_as_one_prefill(name, budget, opts, chunk, engine_for):

@@ -12,7 +12,7 @@ from sparseety.policies import (
     resolve_budget,
 )
 
-EXPECTED = {"dense", "streaming", "h2o", "snapkv", "tova", "knorm", "random", "pyramid", "topk_attention"}
+EXPECTED = {"dense", "streaming", "h2o", "snapkv", "tova", "knorm", "random", "pyramid", "topk_attention", "kvzip"}
 BUDGETED = sorted(EXPECTED - {"dense"})
 
 

@@ -52,9 +52,11 @@ def teacher_forced_logprobs(engine: SparseEngine, encoded: EncodedInput, policy:
             ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
             engine.model(input_ids=ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
             ctx.input_len = encoded.input_len
+            engine.reconstruct(ctx, encoded)  # kvzip's pass over the context, if its policy has one
             start = encoded.compress_len
         out = engine.model(input_ids=ids[:, start:], past_key_values=ctx.cache, use_cache=True, logits_to_keep=1)
         rows.append(out.logits[0, -1])
+        engine.reconstruct(ctx, encoded)  # kvzip's pass over a plain prompt, before the first decode step
         for token in targets[:-1]:
             step = torch.tensor([[token]], dtype=ids.dtype)
             out = engine.model(input_ids=step, past_key_values=ctx.cache, use_cache=True)

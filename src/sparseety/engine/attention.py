@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sparseety.engine.context import LayerSignals, RunContext, active_context
 from sparseety.engine.packed import active_packed
+from sparseety.engine.reconstruct import reconstruction_scores
 
 ATTENTION_NAME = "sparseety"
 COLSUM_BLOCK = 128
@@ -218,6 +219,8 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
     seen.values = value
     if plan.query_rows:  # only for policies that read query rows (a view, no copy)
         seen.queries, seen.rotary = query[:, :, q - plan.query_rows:], ctx.rotary(layer, module)
+    if ctx.reconstruction is not None:  # kvzip's reconstruction pass: score the region's slots from these queries
+        seen.reconstruction = reconstruction_scores(query, key, scaling, ctx.reconstruction)
     ctx.observe(layer, key, seen)
     return out
 

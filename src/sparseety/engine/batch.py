@@ -127,6 +127,9 @@ class BatchEngine:
         outputs = []
         for chunks in plan.forwards:
             tokens = run_forward(self.engine.model, self.engine.num_layers, chunks)
+            for chunk in chunks:  # a region just completed under kvzip: its reconstruction, a forward of its own
+                if chunk.request.ctx is not None and chunk.request.ctx.reconstruction_pending:
+                    self.engine.reconstruct(chunk.request.ctx, chunk.request.encoded)
             for chunk, token in zip(chunks, tokens):
                 request = chunk.request
                 if chunk.start < request.prompt_len:

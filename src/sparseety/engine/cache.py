@@ -221,6 +221,22 @@ class SparseLayer(DynamicLayer):
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
 
+    def truncate(self, count: int) -> None:
+        """Drop the ``count`` newest slots, appended by the last :meth:`update`, and un-see them.
+
+        A pass whose KV must leave no trace (kvzip's reconstruction) appends after the live slots and
+        evicts nothing before this, so the slots go without a copy; ``seen`` and the positions of later
+        tokens are as before the pass.
+        """
+        positions = self.positions
+        if count <= 0 or positions is None:
+            return
+        if count > self._slots or bool((positions[..., self._slots - count:] < self.seen - count).any()):
+            raise RuntimeError(f"cannot truncate {count} slots: they are not the newest {count} tokens")
+        self._slots -= count
+        self.seen -= count
+        self._views()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (rejected speculative drafts)."""
         if tokens_to_remove > 0:

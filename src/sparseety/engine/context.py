@@ -23,6 +23,7 @@ from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
+from sparseety.policies.kvzip import ReconstructionChunk
 from sparseety.policies.rotary import inverse_frequencies
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
@@ -60,6 +61,8 @@ class LayerSignals:
     colsum: torch.Tensor | None = None  #: ``[b, heads, n]`` attention received, summed over queries
     attended: torch.Tensor | None = None  #: ``[b, kv_heads, n]`` bool, slots the newest top-k row attended to
     skipped: int = 0  #: visible (row, kv_head, slot) triples a top-k step left out
+    reconstruction: torch.Tensor | None = None  #: ``[b, kv_heads, chunk]`` kvzip scores of the chunk's slots (its pass only)
+
     queries: torch.Tensor | None = None  #: ``[b, heads, w, d]`` the policy's query rows (:meth:`Policy.query_rows`)
     values: torch.Tensor | None = None  #: ``[b, kv_heads, n, d]`` the layer's cached values
     rotary: torch.Tensor | None = None  #: ``[rotary_dim // 2]`` RoPE inverse frequencies, with ``queries``
@@ -156,6 +159,11 @@ class RunContext:
     _rotary: dict[int, torch.Tensor | None] = field(default_factory=dict)  #: per layer, RoPE inverse frequencies
     _plan: LayerPlan | None = None
     _recording_plan: LayerPlan | None = None
+    reconstruct_after: bool = False  #: this forward completes a region a reconstructing policy (kvzip) scores after it
+    reconstruction_pending: bool = False  #: the region is prefilled; the engine must run :meth:`reconstruct` next
+    reconstruction: ReconstructionChunk | None = None  #: the reconstruction forward in progress, if any
+    reconstruction_region: int = 0  #: positions ``0 .. region - 1`` the reconstruction scores
+    _reconstruction_scores: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer ``[b, kv_heads, region]``
 
     def __post_init__(self) -> None:
         self.recorded_layers = self.layers.fixed(self.num_layers) if self.tier >= 2 else ()
@@ -163,6 +171,10 @@ class RunContext:
     # -- forward lifecycle (called by model hooks) -------------------------------------------------
     def begin_forward(self, q_len: int, input_ids: torch.Tensor | None = None) -> None:
         """Called before every model forward with the number of new tokens (and their ids ``[b, q]``)."""
+        if self.reconstruction is not None:  # kvzip's pass: no step, no token, nothing recorded
+            self._plan = self._recording_plan = LayerPlan(last_row=False, window_rows=0, colsum_stride=0, topk=None)
+            self._t0 = time.perf_counter()
+            return
         self.forward_index += 1
         seen = self.cache.layers[0].seen
         self.q_len = q_len
@@ -177,6 +189,14 @@ class RunContext:
         scoring = not self.compress_once or seen < context_end  # the long-document protocol compresses the context only
         self.evicting = self.policy.evicts and scoring and not self.partial_prefill
         self.carrying = self.policy.evicts and scoring and self.partial_prefill
+        # A reconstructing policy scores the completed region in passes of its own, after this forward (none
+        # when the long-document protocol's context fits every budget: nothing is ever evicted then).
+        self.reconstruct_after = False
+        if self.policy.reconstructs and self.evicting and self.prompt_forward:
+            self.evicting, self.reconstruction_region = False, region_end
+            self.reconstruct_after = not self.compress_once or any(
+                (b := self.policy.layer_budget(layer, self.num_layers, region_end)) is not None and b < region_end
+                for layer in range(self.num_layers))
         # Tokens fed beyond the one(s) this forward must process are speculative drafts.
         self.drafts_in_forward = max(0, q_len - max(1, self.input_len - seen))
         self.draft_tokens += self.drafts_in_forward
@@ -209,6 +229,10 @@ class RunContext:
     def end_forward(self) -> None:
         """Called after every model forward."""
         elapsed = time.perf_counter() - self._t0
+        if self.reconstruction is not None:
+            self.prefill_s += elapsed  # kvzip's extra prefill cost
+            return
+        self.reconstruction_pending = self.reconstruction_pending or self.reconstruct_after
         if self.prune is not None:
             self.prune.end()
         if self.recorded_layers is None:
@@ -218,7 +242,7 @@ class RunContext:
         else:
             self.decode_s += elapsed
             self.decode_forwards += 1
-        if not self.partial_prefill:  # held after each step (a prefill's transient before compression is not)
+        if not self.partial_prefill and not self.reconstruct_after:  # held after each step (a prefill's transient before compression is not)
             self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
 
     def _choose_layer(self) -> None:
@@ -304,6 +328,9 @@ class RunContext:
 
     def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         """Record what layer ``layer`` attended to, then let the policy score and evict."""
+        if self.reconstruction is not None:
+            self._observe_reconstruction(layer, seen)
+            return
         if self.prompt_forward and self.on_prefill_layer is not None:
             self.on_prefill_layer(layer, self.num_layers)
         cache_layer = self.cache.layers[layer]
@@ -341,6 +368,52 @@ class RunContext:
         evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
         if self.tier >= 1:
             self.evictions.add(self.step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+
+    # -- a reconstructing policy's own pass (kvzip) --------------------------------------------------
+    @contextlib.contextmanager
+    def reconstructing(self, chunk: ReconstructionChunk) -> Iterator[None]:
+        """Inside the block, forwards are the reconstruction ``chunk``: each layer scores the region's slots
+        from its queries, then drops the chunk's KV; probes and pruning see nothing of it."""
+        if not self._reconstruction_scores:
+            for layer, cache_layer in enumerate(self.cache.layers):
+                positions = cache_layer.positions
+                assert positions is not None
+                expected = torch.arange(self.reconstruction_region, device=positions.device)
+                if positions.shape[-1] != self.reconstruction_region or not bool((positions == expected).all()):
+                    raise RuntimeError("reconstruction needs the region's slots, in position order, nothing evicted")
+                self._reconstruction_scores[layer] = torch.zeros(positions.shape, dtype=torch.float32,
+                                                                 device=positions.device)
+        held = self.probes, self.prune
+        self.reconstruction, self.probes, self.prune = chunk, None, None
+        try:
+            yield
+        finally:
+            self.reconstruction = None
+            self.probes, self.prune = held
+
+    def _observe_reconstruction(self, layer: int, seen: LayerSignals) -> None:
+        chunk = self.reconstruction
+        assert chunk is not None and seen.reconstruction is not None
+        self._reconstruction_scores[layer][..., chunk.start : chunk.end] = seen.reconstruction
+        self.cache.layers[layer].truncate(len(chunk.ids))
+
+    def finish_reconstruction(self) -> None:
+        """Score every layer by its reconstruction attention and evict to the budget (step 0 events)."""
+        for layer, cache_layer in enumerate(self.cache.layers):
+            positions = cache_layer.positions
+            assert positions is not None
+            scores = self._reconstruction_scores.pop(layer, torch.zeros(positions.shape, device=positions.device))
+            obs = Observation(layer=layer, num_layers=self.num_layers, step=0, prefill=True, positions=positions,
+                              keys=cache_layer.keys, attention=scores, state=None, seed=self.seed)
+            scores, cache_layer.state = self.policy.score(obs)
+            budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
+            if budget is None or positions.shape[-1] <= budget:
+                continue
+            evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
+            if self.tier >= 1:
+                self.evictions.add(0, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+        self.reconstruction_pending = False
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
 
     def _carry(self, layer: int, seen: LayerSignals) -> None:
         """Keep an earlier chunk's signals, joined to what the chunks before it carried."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from sparseety.engine.attention import ATTENTION_NAME
-from sparseety.engine.batch import BatchEngine, generate_batch
+from sparseety.engine.batch import BatchEngine, _eos_ids, generate_batch
 from sparseety.engine.cache import SparseCache
 from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
@@ -30,10 +30,11 @@ from sparseety.engine.packed import SplitProbes, active_packed
 from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
 from sparseety.engine.provenance import provenance
 from sparseety.engine.prune import PruneRun, install_layer_hooks
+from sparseety.engine.reconstruct import run_reconstruction
 from sparseety.engine.request import GenerationOptions
 from sparseety.engine.result import RunResult
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
-from sparseety.errors import InputError
+from sparseety.errors import ConfigError, InputError
 from sparseety.policies.base import Policy
 from sparseety.policies.prune import PruneSchedule
 
@@ -113,6 +114,10 @@ class SparseEngine:
                            prune=prune, layers=layers, top_k=top_k, attention_topk=attention_topk) as ctx:
             if encoded.compress_len is not None:  # the context is prefilled (and compressed) on its own
                 self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
+                self.reconstruct(ctx, encoded)
+            elif policy.reconstructs:  # the prompt is prefilled here so that kvzip's pass runs before the first decode step
+                sequences = self._reconstructing_generate(ctx, encoded, max_new_tokens, streamer)
+                return self.build_result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
             kwargs: dict[str, Any] = {}
             if speculative:
                 kwargs["prompt_lookup_num_tokens"] = speculative
@@ -127,6 +132,32 @@ class SparseEngine:
                 **kwargs,
             )
         return self.build_result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
+
+    def reconstruct(self, ctx: RunContext, encoded: EncodedInput) -> None:
+        """Run a reconstructing policy's pending pass over the region just prefilled (see :mod:`.reconstruct`)."""
+        if ctx.reconstruction_pending:
+            ids = encoded.input_ids[0, : ctx.reconstruction_region].tolist()
+            run_reconstruction(self.model, ctx, ids, self.tokenizer)
+
+    def _reconstructing_generate(self, ctx: RunContext, encoded: EncodedInput, max_new_tokens: int,
+                                 streamer: Any) -> torch.Tensor:
+        """A plain prompt under a reconstructing policy: prefill, pick the first token, reconstruct and evict, then
+        let ``model.generate`` continue from the prompt plus that token (greedy, so the tokens are those one call makes)."""
+        input_ids = encoded.input_ids
+        logits = self.model(input_ids=input_ids, past_key_values=ctx.cache, use_cache=True, logits_to_keep=1).logits
+        first = logits[:, -1].float().argmax(dim=-1, keepdim=True).to(input_ids.dtype)
+        self.reconstruct(ctx, encoded)
+        sequences = torch.cat([input_ids, first.to(input_ids.device)], dim=1)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            streamer.put(first[0].cpu())
+        if max_new_tokens == 1 or int(first) in _eos_ids(self.model):
+            if streamer is not None:
+                streamer.end()
+            return sequences
+        return self.model.generate(sequences, attention_mask=torch.ones_like(sequences), past_key_values=ctx.cache,
+                                   max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=_pad_id(self.tokenizer),
+                                   streamer=None if streamer is None else _AfterPrompt(streamer))
 
     def generate_batch(
         self,
@@ -168,6 +199,9 @@ class SparseEngine:
             options.prune.check_layers(self.num_layers)
             options.prune.check_prompt(encoded.compress_len or encoded.input_len)
         self._check_topk(policy, options.attention_topk)
+        if policy.reconstructs and options.prune is not None:
+            raise ConfigError(f"policy {policy.name!r} cannot be combined with token pruning: its reconstruction pass "
+                              "scores every slot of the region it compresses")
         if self.max_positions and encoded.input_len + options.max_new_tokens > self.max_positions:
             raise InputError(
                 f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({options.max_new_tokens}) exceeds "
@@ -247,6 +281,10 @@ class SparseEngine:
         """Prompt lookup needs room for its drafts and an empty cache at its first step."""
         if speculative <= 0:
             raise InputError(f"speculative must be a positive number of draft tokens, got {speculative}")
+        if policy.reconstructs:
+            raise ConfigError(f"policy {policy.name!r} cannot be combined with speculative decoding in generate: "
+                              "its reconstruction pass runs between the prefill and the first decode step, and "
+                              "transformers' prompt lookup needs an empty cache")
         if encoded.compress_len is not None:
             raise InputError("speculative decoding cannot be combined with the long-document protocol: "
                              "transformers' prompt lookup re-feeds a pre-filled cache")
@@ -333,6 +371,22 @@ class SparseEngine:
             layer_selection=ctx.layers.text(),
             extraction_layers=recorded,
         )
+
+
+class _AfterPrompt:
+    """A streamer proxy for a ``model.generate`` that continues a started answer: drops its first ``put``
+    (the prompt plus the tokens already streamed), forwards the rest."""
+
+    def __init__(self, streamer: Any) -> None:
+        self.streamer, self.started = streamer, False
+
+    def put(self, value: Any) -> None:
+        if self.started:
+            self.streamer.put(value)
+        self.started = True
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 _HOOKED = "_sparseety_hooks"

@@ -87,6 +87,9 @@ class Policy:
     evicts: ClassVar[bool] = True
     #: True when decode steps attend only to the top-``budget`` keys (nothing deleted).
     attends_topk: ClassVar[bool] = False
+    #: True for policies that score the region after its prefill from a teacher-forced pass of their own
+    #: (``kvzip``): the engine defers the region's eviction, runs the pass, discards its KV, then evicts.
+    reconstructs: ClassVar[bool] = False
 
     budget: int | None = None
 

@@ -10,6 +10,7 @@ from sparseety.policies.base import Policy
 from sparseety.policies.dense import DensePolicy
 from sparseety.policies.h2o import H2OPolicy
 from sparseety.policies.knorm import KnormPolicy
+from sparseety.policies.kvzip import KVzipPolicy
 from sparseety.policies.pyramid import PyramidPolicy
 from sparseety.policies.random_baseline import RandomPolicy
 from sparseety.policies.snapkv import SnapKVPolicy
@@ -22,6 +23,7 @@ _POLICIES: dict[str, type[Policy]] = {
     for cls in (
         DensePolicy, StreamingPolicy, H2OPolicy, SnapKVPolicy, TOVAPolicy, KnormPolicy,
         RandomPolicy, PyramidPolicy, TopKAttentionPolicy,
+        KVzipPolicy,
     )
 }
 

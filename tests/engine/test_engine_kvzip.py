@@ -1,0 +1,240 @@
+"""``kvzip`` through the engine: the reconstruction pass scores, leaves no trace, and runs the same in every path.
+
+The kept sets are checked against a straightforward reimplementation that shares no code with the
+engine: a never-wrapped copy of the model in eager attention, its full attention probabilities of the
+repeat pass (renormalised over kvpress's key subset), the max over rows and head group, sinks kept,
+top budget per head (ties to the lower position).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_batch import assert_same_trace
+from tiny_models import KV_HEADS, build_model, prompt_ids
+from transformers import DynamicCache
+
+from sparseety.analysis.fidelity import teacher_forced_logprobs
+from sparseety.engine import EncodedInput
+from sparseety.engine.request import GenerationOptions
+from sparseety.errors import ConfigError, SparseetyError
+from sparseety.policies import build_policy
+from sparseety.policies.kvzip import PREVIOUS_TAIL, REPEAT_PART_PROMPT, REPEAT_PROMPT
+from sparseety.policies.prune import parse_prune_schedule
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    model = build_model("llama")
+    model.set_attn_implementation("eager")
+    return model
+
+
+def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int = 4,
+                   chunk_size: int = 2048) -> dict[int, list[list[int]]]:
+    """Per layer, per KV head: the positions KVzip keeps, computed from eager attention on a DynamicCache."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    suffix = enc("\n")  # no chat template
+    n = len(context)
+    layers = model.config.num_hidden_layers
+    scores = torch.zeros(layers, KV_HEADS, n)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+        pieces = [context[i : i + chunk_size] for i in range(0, n, chunk_size)]
+        start = 0
+        for i, piece in enumerate(pieces):
+            prompt = enc(REPEAT_PROMPT) if i == 0 else enc(REPEAT_PART_PROMPT) + pieces[i - 1][-PREVIOUS_TAIL:]
+            ids = prompt + suffix + piece
+            q = len(ids)
+            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, output_attentions=True)
+            sink = min(sinks, start)
+            cols = list(range(sink)) + list(range(start, start + len(piece))) + list(range(n, n + q))
+            for layer, att in enumerate(out.attentions):  # [1, heads, q, n + q], softmax over every key
+                sub = att[0][..., cols]
+                sub = sub / sub.sum(dim=-1, keepdim=True)  # kvpress's softmax over the subset only
+                part = sub[..., sink : sink + len(piece)]  # [heads, q, len]
+                part = part.reshape(KV_HEADS, -1, q, len(piece)).amax(dim=(1, 2))
+                scores[layer, :, start : start + len(piece)] = part
+            cache.crop(-q)
+            start += len(piece)
+    scores[..., :sinks] = float("inf")
+    kept = {}
+    for layer in range(layers):
+        kept[layer] = []
+        for head in range(KV_HEADS):
+            order = sorted(range(n), key=lambda p: (-float(scores[layer, head, p]), p))
+            kept[layer].append(sorted(order[:budget]))
+    return kept
+
+
+def kept_of(result, layer: int, head: int) -> list[int]:
+    return result.kept_positions_final[str(layer)][str(head)]
+
+
+@pytest.mark.parametrize("n, budget, chunk_size", [(60, 20, 2048), (75, 30, 16), (41, 9, 41)])
+def test_kept_sets_equal_an_eager_reimplementation(n, budget, chunk_size, engine_for, tokenizer, eager_model):
+    engine = engine_for("llama")
+    ids = prompt_ids(n, seed=n)
+    policy = build_policy("kvzip", budget, {"chunk_size": str(chunk_size)})
+    result = engine.generate(EncodedInput(ids), policy, max_new_tokens=1, tier=2)
+    expected = reference_kept(eager_model, tokenizer, ids[0].tolist(), budget, chunk_size=chunk_size)
+    for layer in range(engine.num_layers):
+        for head in range(KV_HEADS):
+            assert kept_of(result, layer, head) == expected[layer][head], (layer, head)
+    a = result.arrays
+    assert set(a["evicted.step"].tolist()) == {0}
+    assert a["evicted.position"].size == engine.num_layers * KV_HEADS * (n - budget)
+    assert torch.isfinite(torch.from_numpy(a["evicted.score"].astype("float64"))).all()
+
+
+def test_the_reconstruction_leaves_no_trace(engine_for, greedy_reference):
+    """A budget that never evicts: the pass ran, yet the tokens are plain greedy generation's."""
+    engine = engine_for("llama")
+    ids = prompt_ids(50, seed=5)
+    result = engine.generate(EncodedInput(ids), build_policy("kvzip", 50 + NEW), max_new_tokens=NEW, tier=2)
+    assert result.output_ids == greedy_reference("llama", ids, NEW)
+    assert result.eviction_events == 0
+    assert result.prefill_s > 0
+    assert result.kv_cache_bytes_peak == result.kv_cache_bytes_dense  # the repeat pass's KV is never counted
+
+
+def test_cache_after_the_pass_holds_only_kept_context_slots(engine_for):
+    engine = engine_for("llama")
+    n, budget = 64, 24
+    encoded = EncodedInput(prompt_ids(n, seed=8))
+    policy = build_policy("kvzip", budget)
+    with engine.open_run(encoded, policy, tier=1) as ctx:
+        engine.model(input_ids=encoded.input_ids, past_key_values=ctx.cache, use_cache=True)
+        assert ctx.reconstruction_pending and not len(ctx.evictions)
+        assert ctx.cache.layers[0].num_slots() == n  # eviction deferred to after the pass
+        engine.reconstruct(ctx, encoded)
+        assert not ctx.reconstruction_pending
+        per_slot = 2 * KV_HEADS * engine.head_dim * 4
+        for layer in ctx.cache.layers:
+            assert layer.seen == n and layer.get_seq_length() == n
+            assert layer.num_slots() == budget
+            assert int(layer.positions.max()) < n
+            assert layer.nbytes() == budget * per_slot
+        assert ctx.peak_bytes == engine.num_layers * budget * per_slot
+        out = engine.model(input_ids=torch.tensor([[7]]), past_key_values=ctx.cache, use_cache=True)
+        assert out.logits.shape[1] == 1
+        for layer in ctx.cache.layers:  # the next token sits at position n, as if no pass had run
+            assert layer.seen == n + 1 and n in layer.positions[0, 0].tolist()
+
+
+def test_budget_holds_every_decode_step_and_the_window_is_kept(engine_for):
+    engine = engine_for("llama")
+    n, budget, window = 40, 16, 4
+    result = engine.generate(EncodedInput(prompt_ids(n, seed=2)), build_policy("kvzip", budget, {"window": str(window)}),
+                             max_new_tokens=12, tier=2)
+    a = result.arrays
+    for layer in range(engine.num_layers):
+        for head in range(KV_HEADS):
+            sel = (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
+            steps, positions = a["evicted.step"][sel], a["evicted.position"][sel]
+            assert (steps == 0).sum() == n - budget
+            for step in range(1, 12):  # one new slot per step, one evicted: the budget holds
+                at = positions[steps == step]
+                assert at.size == 1
+                assert at[0] <= n + step - 1 - window, "a protected recent slot was evicted"
+                assert at[0] >= 4, "a sink was evicted"
+            assert len(kept_of(result, layer, head)) == budget
+
+
+def test_long_document_compresses_the_context_only(engine_for, tokenizer, eager_model):
+    engine = engine_for("llama")
+    context, question, budget = 48, 9, 14
+    ids = torch.cat([prompt_ids(context, seed=21), prompt_ids(question, seed=22)], dim=1)
+    encoded = EncodedInput(ids, compress_len=context)
+    policy = build_policy("kvzip", budget)
+    result = engine.generate(encoded, policy, max_new_tokens=NEW, tier=2)
+    expected = reference_kept(eager_model, tokenizer, ids[0, :context].tolist(), budget)
+    seen = context + question + NEW - 1
+    assert set(result.arrays["evicted.step"].tolist()) == {0}
+    for layer in range(engine.num_layers):
+        for head in range(KV_HEADS):
+            kept = kept_of(result, layer, head)
+            assert kept == expected[layer][head] + list(range(context, seen))
+    (batched,) = engine.generate_batch([encoded], policy, GenerationOptions(max_new_tokens=NEW, tier=2), prefill_chunk=5)
+    assert_same_trace(result, batched)
+
+
+def test_a_budget_covering_the_context_skips_the_pass_in_the_document_protocol(engine_for):
+    engine = engine_for("llama")
+    ids = torch.cat([prompt_ids(30, seed=1), prompt_ids(6, seed=2)], dim=1)
+    encoded = EncodedInput(ids, compress_len=30)
+    with engine.open_run(encoded, build_policy("kvzip", 30), tier=1) as ctx:
+        engine.model(input_ids=ids[:, :30], past_key_values=ctx.cache, use_cache=True)
+        assert not ctx.reconstruction_pending
+
+
+@pytest.mark.parametrize("chunk", [7, 32])
+def test_chunked_prefill_equals_one_prefill(chunk, engine_for):
+    engine = engine_for("llama")
+    e, policy = EncodedInput(prompt_ids(100, seed=9)), build_policy("kvzip", 30, {"chunk_size": "40"})
+    alone = engine.generate(e, policy, max_new_tokens=NEW, tier=3)
+    (chunked,) = engine.generate_batch([e], policy, GenerationOptions(max_new_tokens=NEW, tier=3), prefill_chunk=chunk)
+    assert_same_trace(alone, chunked)
+    assert (alone.arrays["evicted.step"] == 0).any()
+
+
+def test_in_a_batch_of_other_policies_kvzip_sees_what_it_sees_alone(engine_for):
+    engine = engine_for("llama")
+    inputs = [EncodedInput(prompt_ids(n, seed=n)) for n in (45, 12, 70, 33)]
+    policies = [build_policy("kvzip", 20), build_policy("h2o", 16), build_policy("kvzip", 25, {"window": "0"}),
+                build_policy("streaming", 10)]
+    options = GenerationOptions(max_new_tokens=NEW, tier=2)
+    batched = engine.generate_batch(inputs, policies, options, prefill_chunk=16, max_batch=4)
+    for e, p, b in zip(inputs, policies, batched):
+        assert_same_trace(engine.generate(e, p, max_new_tokens=NEW, tier=2), b)
+
+
+def test_a_first_token_that_ends_the_answer_and_a_one_token_answer(engine_for):
+    engine = engine_for("llama")
+    e = EncodedInput(prompt_ids(30, seed=3))
+    one = engine.generate(e, build_policy("kvzip", 10), max_new_tokens=1, tier=1)
+    (batched,) = engine.generate_batch([e], build_policy("kvzip", 10), GenerationOptions(max_new_tokens=1, tier=1))
+    assert len(one.output_ids) == 1 and batched.output_ids == one.output_ids
+    assert one.eviction_events == batched.eviction_events == engine.num_layers * KV_HEADS * 20
+
+
+def test_the_streamer_sees_the_prompt_once_then_every_token(engine_for):
+    class Collect:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    engine = engine_for("llama")
+    e = EncodedInput(prompt_ids(30, seed=4))
+    streamer = Collect()
+    result = engine.generate(e, build_policy("kvzip", 10), max_new_tokens=5, tier=1, streamer=streamer)
+    assert streamer.puts[0] == e.input_ids[0].tolist()
+    assert sum(streamer.puts[1:], []) == result.output_ids and streamer.ended
+
+
+def test_teacher_forcing_runs_the_pass_too(engine_for):
+    engine = engine_for("llama")
+    e = EncodedInput(prompt_ids(40, seed=6))
+    policy = build_policy("kvzip", 12)
+    result = engine.generate(e, policy, max_new_tokens=4, tier=1)
+    forced = teacher_forced_logprobs(engine, e, policy, result.output_ids)
+    assert forced.argmax(dim=-1).tolist() == result.output_ids
+
+
+def test_what_kvzip_cannot_run_with_is_refused_by_name(engine_for):
+    engine = engine_for("llama")
+    e = EncodedInput(prompt_ids(30, seed=4))
+    with pytest.raises(ConfigError, match="kvzip.*speculative"):
+        engine.generate(e, build_policy("kvzip", 10), max_new_tokens=3, speculative=2)
+    with pytest.raises(ConfigError, match="kvzip.*pruning"):
+        engine.generate(e, build_policy("kvzip", 10), max_new_tokens=3, prune=parse_prune_schedule("1:0.5"))
+    with pytest.raises(SparseetyError, match="kvzip.*pruning"):
+        engine.batch().add(e, build_policy("kvzip", 10), GenerationOptions(prune=parse_prune_schedule("1:0.5")))

@@ -1,0 +1,125 @@
+"""``kvzip``: options, the reconstruction inputs (kvpress's prompts and chunking), its scoring and its decode rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from sparseety.engine.reconstruct import reconstruction_scores
+from sparseety.errors import ConfigError
+from sparseety.policies import build_policy
+from sparseety.policies.base import Observation
+from sparseety.policies.kvzip import PREVIOUS_TAIL, REPEAT_PART_PROMPT, REPEAT_PROMPT, ReconstructionChunk, template_parts
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "USER", "BOT", "END", "Repeat", "the", "previous", "context", "exactly",
+         ".", "part", "of", ",", "starting", "with"] + [f"w{i}" for i in range(40)]
+
+
+def tokenizer(template: str | None = None) -> PreTrainedTokenizerFast:
+    raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
+    tok.chat_template = template
+    return tok
+
+
+TEMPLATE = ("{% for m in messages %}<bos> USER {{ m['content'] }} END {% endfor %}"
+            "{% if add_generation_prompt %}BOT {% endif %}")
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"sinks": "-1"}, "sinks"), ({"chunk_size": "0"}, "chunk_size"), ({"window": "-2"}, "window"),
+    ({"chunk_size": "lots"}, "chunk_size"), ({"sink": "4"}, "sink"),
+])
+def test_bad_options_are_refused_naming_the_field(options, field):
+    with pytest.raises(ConfigError, match=field):
+        build_policy("kvzip", 16, options)
+    with pytest.raises(ConfigError, match="budget"):
+        build_policy("kvzip", None)
+
+
+def test_one_chunk_without_a_template_is_the_repeat_prompt_a_newline_and_the_context():
+    tok = tokenizer()
+    context = ids(tok, "w1 w2 w3 w4 w5 w6")
+    (chunk,) = build_policy("kvzip", 4).reconstruction_chunks(context, tok)
+    assert chunk == ReconstructionChunk(tuple(ids(tok, REPEAT_PROMPT) + ids(tok, "\n") + context), 0, 6, 0)
+    assert ids(tok, REPEAT_PROMPT) == [7, 8, 9, 10, 11, 12]
+
+
+def test_long_contexts_are_reconstructed_in_chunks_quoting_the_previous_tail():
+    tok = tokenizer()
+    context = [20 + (i % 30) for i in range(45)]
+    chunks = build_policy("kvzip", 4, {"chunk_size": "20"}).reconstruction_chunks(context, tok)
+    assert [(c.start, c.end, c.sinks) for c in chunks] == [(0, 20, 0), (20, 40, 4), (40, 45, 4)]
+    part = ids(tok, REPEAT_PART_PROMPT)
+    assert chunks[1].ids == tuple(part + context[20 - PREVIOUS_TAIL : 20] + context[20:40])
+    assert chunks[2].ids == tuple(part + context[40 - PREVIOUS_TAIL : 40] + context[40:])
+
+
+def test_the_chat_template_header_is_neither_repeated_nor_scored_and_its_suffix_follows_the_prompt():
+    tok = tokenizer(TEMPLATE)
+    prefix, suffix = template_parts(tok)
+    assert prefix == ids(tok, "<bos> USER") and suffix == ids(tok, "END BOT")
+    context = prefix + ids(tok, "w1 w2 w3")
+    (chunk,) = build_policy("kvzip", 2).reconstruction_chunks(context, tok)
+    assert (chunk.start, chunk.end, chunk.sinks) == (2, 5, 2)
+    assert chunk.ids == tuple(ids(tok, REPEAT_PROMPT) + suffix + ids(tok, "w1 w2 w3"))
+    (plain,) = build_policy("kvzip", 2).reconstruction_chunks(ids(tok, "w1 w2 w3"), tok)  # no header: all of it
+    assert (plain.start, plain.end) == (0, 3)
+
+
+def naive_scores(query, key, scaling, chunk):
+    """Full probability matrix over kvpress's key subset, then the max over rows and group."""
+    b, h, q, d = query.shape
+    kvh, n = key.shape[1], key.shape[2]
+    cols = list(range(chunk.sinks)) + list(range(chunk.start, chunk.end)) + list(range(n - q, n))
+    sub = key[:, :, cols].repeat_interleave(h // kvh, dim=1)  # [b, h, m, d]
+    logits = query @ sub.transpose(-1, -2) * scaling  # [b, h, q, m]
+    m = len(cols)
+    own = m - q
+    mask = torch.zeros(q, m, dtype=torch.bool)
+    for i in range(q):
+        mask[i, own + i + 1 :] = True
+    probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
+    part = probs[..., chunk.sinks : chunk.sinks + chunk.end - chunk.start]
+    return part.reshape(b, kvh, h // kvh, q, -1).amax(dim=(2, 3))
+
+
+@pytest.mark.parametrize("block", [1, 3, 256])
+@pytest.mark.parametrize("chunk", [ReconstructionChunk((0,) * 7, 0, 10, 0), ReconstructionChunk((0,) * 7, 12, 20, 4)])
+def test_reconstruction_scores_equal_the_full_matrix_at_any_block(block, chunk):
+    g = torch.Generator().manual_seed(0)
+    n_context, q = 20, len(chunk.ids)
+    query = torch.randn(1, 6, q, 8, generator=g)
+    key = torch.randn(1, 2, n_context + q, 8, generator=g)
+    got = reconstruction_scores(query, key, 0.35, chunk, block=block)
+    torch.testing.assert_close(got, naive_scores(query, key, 0.35, chunk), rtol=1e-5, atol=1e-6)
+
+
+def obs(positions, attention, state=None, prefill=True):
+    p = torch.tensor([[positions]])
+    return Observation(layer=0, num_layers=1, step=0 if prefill else 1, prefill=prefill, positions=p,
+                       keys=torch.zeros(1, 1, len(positions), 2), attention=torch.tensor([[attention]]),
+                       state=None if state is None else torch.tensor([[state]]), seed=0)
+
+
+def test_prefill_scores_are_the_reconstruction_scores_with_sinks_kept():
+    policy = build_policy("kvzip", 4, {"sinks": "2"})
+    scores, state = policy.score(obs([0, 1, 2, 3, 4], [0.0, 0.1, 0.5, 0.2, 0.3]))
+    assert scores[0, 0].tolist() == [float("inf"), float("inf"), 0.5, pytest.approx(0.2), pytest.approx(0.3)]
+    assert state[0, 0].tolist() == pytest.approx([0.0, 0.1, 0.5, 0.2, 0.3])
+
+
+def test_decode_steps_max_accumulate_and_protect_the_recent_window():
+    policy = build_policy("kvzip", 5, {"sinks": "1", "window": "2"})
+    scores, state = policy.score(obs([0, 1, 2, 3, 7, 8], [0.1, 0.4, 0.1, 0.1, 0.1, 0.1],
+                                     state=[0.2, 0.3, 0.0, 0.6, 0.5, 0.0], prefill=False))
+    assert state[0, 0].tolist() == pytest.approx([0.2, 0.4, 0.1, 0.6, 0.5, 0.1])
+    assert scores[0, 0, 0] == float("inf") and scores[0, 0, 4:].tolist() == [float("inf")] * 2
+    assert scores[0, 0, 1:4].tolist() == pytest.approx([0.4, 0.1, 0.6])
