@@ -59,10 +59,26 @@ def test_timeline_colours_follow_the_states():
               "evicted.kv_head": np.array([0, 1]), "evicted.position": np.array([1, 1])}
     timeline = build_timeline(events, num_layers=1, positions=6, kv_heads=2, steps=3, prompt_len=4)
     rgb = timeline_rgb(timeline, [0], positions=6, max_axis=2000)
-    kept, partly, evicted, unseen = STATE_COLORS
+    kept, partly, evicted, unseen, _ = STATE_COLORS
     expected = [[kept, kept, kept, kept, unseen, unseen],
                 [kept, partly, kept, kept, kept, unseen],
                 [kept, evicted, kept, kept, kept, kept]]
     np.testing.assert_allclose(rgb, np.array(expected))
     binned = timeline_rgb(timeline, [0], positions=6, max_axis=3)  # bins of 2 positions
     np.testing.assert_allclose(binned[2], [(kept + evicted) / 2, kept, kept])
+
+
+def test_timeline_shows_what_a_sliding_window_hides():
+    """Window edges (step 0: 1, step 2: 3) hide the positions below them; an edge carries over a step without one."""
+    arrays = {"evicted.step": np.array([1]), "evicted.layer": np.array([0]), "evicted.kv_head": np.array([0]),
+              "evicted.position": np.array([4]),
+              "window.step": np.array([0, 2]), "window.layer": np.array([0, 0]), "window.kv_head": np.array([-1, -1]),
+              "window.position": np.array([1, 3])}
+    timeline = build_timeline(arrays, num_layers=1, positions=6, kv_heads=1, steps=3, prompt_len=4)
+    np.testing.assert_array_equal(timeline.window_edge, [[1, 1, 3]])
+    assert [timeline.state(0, s).tolist() for s in range(3)] == [[4, 1, 1, 1, 0, 0], [4, 1, 1, 1, 3, 0],
+                                                                  [4, 4, 4, 1, 3, 1]]
+    np.testing.assert_allclose(timeline.kept_per_step[0], [3, 3, 2])  # held: seen - evicted - hidden
+    kept, _, evicted, unseen, window = STATE_COLORS
+    rgb = timeline_rgb(timeline, [0], positions=6, max_axis=2000)
+    np.testing.assert_allclose(rgb[2], [window, window, window, kept, evicted, kept])

@@ -16,7 +16,8 @@ app.add_typer(models_app, name="models")
 @models_app.command("list")
 def models_list() -> None:
     """Name the built-in models (any Hugging Face id or local directory works too)."""
-    table = Table("name", "description", "source", "license")
+    table = Table("name", "architecture", "layers", "heads", "kv heads", "window", "source", "license")
     for m in list_models():
-        table.add_row(m.name, m.description, f"pip:{m.package.replace('_', '-')} ({m.gguf_file})", m.license)
+        table.add_row(m.name, m.architecture, str(m.layers), str(m.heads), str(m.kv_heads), m.window,
+                      f"{m.install} ({m.gguf_file})", m.license)
     Console().print(table)

@@ -43,7 +43,7 @@ def print_summary(result: RunResult, console: Console, top: int = 10) -> None:
         f"KV cache: peak {_mib(result.kv_cache_bytes_peak)} vs dense {_mib(result.kv_cache_bytes_dense)}"
         f" ({result.kv_cache_bytes_peak / max(1, result.kv_cache_bytes_dense):.1%})\n"
         f"evicted positions {result.evicted_positions}, eviction events {result.eviction_events}, "
-        f"skipped (top-k) {result.skipped_events}, drafts {result.draft_tokens} (rejected {result.draft_rejected})\n"
+        f"skipped (top-k, window) {result.skipped_events}, drafts {result.draft_tokens} (rejected {result.draft_rejected})\n"
         + (f"pruned tokens {result.pruned_tokens} (schedule {result.prune['schedule']}); prompt tokens per layer "
            f"{_token_counts(result)}\n" if result.prune else "")
         + (f"important tokens from layers {result.extraction_layers} (--layers {result.layer_selection})\n"

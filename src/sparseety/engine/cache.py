@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from sparseety.engine.window import hidden_by_window
+
 #: Slots added when a buffer grows (amortises reallocation for layers that never evict).
 GROW_SLOTS = 256
 #: Evictions of at most this many slots per head move survivors in place instead of reallocating.
@@ -32,8 +34,9 @@ class SparseLayer(DynamicLayer):
     :attr:`values`, :attr:`positions` and :attr:`state` are views of their live slots.
     """
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, window: int | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)
+        self.window = window  #: sliding-window layers: the window in tokens (None: a global layer)
         self.seen = 0
         self._k: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, d]``
         self._v: torch.Tensor | None = None
@@ -221,6 +224,38 @@ class SparseLayer(DynamicLayer):
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
 
+    def expire(self) -> int:
+        """A sliding layer: free the slots no later query can see (positions below the next query's window edge).
+
+        When the oldest slots are the first ones (always so without a policy) they go and the others
+        keep their order, so attention reads the keys in the order plain generation does; otherwise
+        (a policy reordered the slots) each head drops as many of its hidden slots as every head has,
+        and the policy evicts the rest first (they score lowest). Returns the slots freed per head.
+        """
+        positions = self.positions
+        if self.window is None or positions is None:
+            return 0
+        hidden = hidden_by_window(positions, self.seen, self.window)
+        counts = hidden.sum(dim=-1)
+        e = int(counts.min())
+        if e == 0:
+            return 0
+        n = positions.shape[-1]
+        if int(counts.max()) == e and bool(hidden[..., :e].all()):  # the first e slots, in every head
+            if e > IN_PLACE_EVICTIONS:
+                self._reallocate(n - e + GROW_SLOTS, torch.arange(e, n, device=positions.device).expand(*positions.shape[:-1], n - e))
+            else:
+                for buffer in (self._k, self._v, self._pos, self._state):
+                    if buffer is not None:
+                        buffer[:, :, : n - e] = buffer[:, :, e:n].clone()
+                self._slots = n - e
+                self._views()
+            return e
+        # hidden slots first (lowest position first), e per head
+        order = torch.where(hidden, positions, positions.new_tensor(torch.iinfo(positions.dtype).max)).argsort(dim=-1)
+        self.evict(order[..., :e])
+        return e
+
     def truncate(self, count: int) -> None:
         """Drop the ``count`` newest slots, appended by the last :meth:`update`, and un-see them.
 
@@ -263,8 +298,9 @@ class SparseLayer(DynamicLayer):
 class SparseCache(Cache):
     """A cache of :class:`SparseLayer` s, one per decoder layer."""
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[SparseLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, windows: tuple[int | None, ...] | None = None) -> None:
+        windows = windows or (None,) * num_layers
+        super().__init__(layers=[SparseLayer(window=windows[i]) for i in range(num_layers)])
         self.cropped_tokens = 0  #: tokens removed by ``crop`` (rejected speculative drafts)
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -10,6 +10,7 @@ import torch
 EVICTED = "evicted"
 SKIPPED = "skipped"
 ATTENDED = "attended"
+WINDOW = "window"  #: sliding-window edges: ``position`` is the first position the step's newest query still saw
 
 
 @dataclass
@@ -17,6 +18,7 @@ class EventLog:
     """Events of one kind, appended one ``[b, kv_heads, e]`` block at a time (batch 0 is kept)."""
 
     kind: str
+    all_heads: bool = False  #: one row per (step, layer) for every KV head at once: ``kv_head`` -1
     _steps: list[int] = field(default_factory=list)
     _layers: list[int] = field(default_factory=list)
     _positions: list[torch.Tensor] = field(default_factory=list)
@@ -47,7 +49,8 @@ class EventLog:
             kvh, e = pos.shape
             steps.append(np.full(kvh * e, step, dtype=np.int64))
             layers.append(np.full(kvh * e, layer, dtype=np.int64))
-            heads.append(np.repeat(np.arange(kvh, dtype=np.int64), e))
+            heads.append(np.full(kvh * e, -1, dtype=np.int64) if self.all_heads
+                         else np.repeat(np.arange(kvh, dtype=np.int64), e))
             positions.append(pos.reshape(-1).cpu().numpy().astype(np.int64))
             scores.append(score.reshape(-1).cpu().numpy().astype(np.float32))
         position = np.concatenate(positions)

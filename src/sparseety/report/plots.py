@@ -12,8 +12,9 @@ from sparseety.report.timeline import NEVER, EvictionTimeline
 
 FIGSIZE = (10.0, 5.0)  #: inches
 DPI = 100  #: so every PNG is 1000 x 500 pixels
-STATE_COLORS = np.array([[43, 140, 190], [253, 174, 97], [215, 48, 31], [238, 241, 244]], dtype=np.float64) / 255
-STATE_LABELS = ("kept", "evicted by some KV heads", "evicted by all KV heads", "not yet seen")
+STATE_COLORS = np.array([[43, 140, 190], [253, 174, 97], [215, 48, 31], [238, 241, 244], [154, 165, 177]],
+                        dtype=np.float64) / 255
+STATE_LABELS = ("kept", "evicted by some KV heads", "evicted by all KV heads", "not yet seen", "outside the window")
 
 
 def save_figures(view: dict[str, Any], directory: Path) -> list[Path]:
@@ -27,7 +28,8 @@ def save_figures(view: dict[str, Any], directory: Path) -> list[Path]:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the PNG directory {directory}: {exc}") from None
-    figures = {"trace": _trace_figures, "passkey": _passkey_figures, "tune": _tune_figures}[view["kind"]](view)
+    figures = {"trace": _trace_figures, "passkey": _passkey_figures, "ruler": _ruler_figures,
+               "tune": _tune_figures}[view["kind"]](view)
     written = []
     with plt.rc_context({"font.size": 10, "axes.spines.top": False, "axes.spines.right": False}):
         for name, draw in figures:
@@ -54,19 +56,22 @@ def timeline_rgb(timeline: EvictionTimeline, layers: list[int], positions: int, 
     steps = np.minimum(np.arange(sb - 1, timeline.steps + sb - 1, sb), timeline.steps - 1)[:, None]  # [rows, 1]
     seq = np.minimum(timeline.prompt_len + steps, positions)
     pos = np.arange(positions)[None, :]
-    counts = np.zeros((steps.shape[0], positions, 4))
+    counts = np.zeros((steps.shape[0], positions, 5))
     for layer in layers:
         first, full = timeline.first_step[layer][None, :], timeline.all_step[layer][None, :]
         unseen = pos >= seq
         evicted = ~unseen & (full != NEVER) & (full <= steps)
-        partly = ~unseen & ~evicted & (first != NEVER) & (first <= steps)
-        kept = ~unseen & ~evicted & ~partly
-        for index, mask in enumerate((kept, partly, evicted, unseen)):
+        hidden = np.zeros_like(evicted)
+        if timeline.window_edge is not None:
+            hidden = ~unseen & ~evicted & (pos < timeline.window_edge[layer][steps])
+        partly = ~unseen & ~evicted & ~hidden & (first != NEVER) & (first <= steps)
+        kept = ~unseen & ~evicted & ~hidden & ~partly
+        for index, mask in enumerate((kept, partly, evicted, unseen, hidden)):
             counts[..., index] += mask
     cols = -(-positions // pb)
-    padded = np.zeros((steps.shape[0], cols * pb, 4))
+    padded = np.zeros((steps.shape[0], cols * pb, 5))
     padded[:, :positions] = counts
-    binned = padded.reshape(steps.shape[0], cols, pb, 4).sum(axis=2)
+    binned = padded.reshape(steps.shape[0], cols, pb, 5).sum(axis=2)
     share = binned / np.maximum(binned.sum(axis=-1, keepdims=True), 1)
     return share @ STATE_COLORS
 
@@ -90,8 +95,9 @@ def _trace_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
                       extent=(0, view["positions"], timeline.steps - 0.5, -0.5))
             ax.axvline(view["prompt_len"], color="#1f2933", linestyle=":", linewidth=1)
             ax.set(xlabel="position", ylabel="decode step (0 = prefill)", title=f"Eviction timeline, {layer_name}")
-            ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(STATE_COLORS, STATE_LABELS)],
-                      loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4, fontsize=8, frameon=False)
+            states = len(STATE_LABELS) if timeline.window_edge is not None else 4
+            ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(STATE_COLORS[:states], STATE_LABELS)],
+                      loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=states, fontsize=8, frameon=False)
             side = fig.add_axes((0.77, 0.12, 0.21, 0.78))
             kept = timeline.kept_per_step.mean(axis=0) if layer is None else timeline.kept_per_step[layer]
             steps = np.arange(timeline.steps)
@@ -174,7 +180,7 @@ def _importance(fig: Any, view: dict[str, Any]) -> None:
     fig.colorbar(image, ax=ax, label="√ importance")
 
 
-def _passkey_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
+def _passkey_figures(view: dict[str, Any], title: str = "Passkey accuracy by policy and ratio") -> list[tuple[str, Any]]:
     def heat(grid: dict[str, Any], xlabel: str, title: str) -> Any:
         def draw(fig: Any) -> None:
             ax = fig.add_subplot()
@@ -193,9 +199,21 @@ def _passkey_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
 
     figures = []
     if view["accuracy"]["rows"]:
-        figures.append(("passkey_accuracy", heat(view["accuracy"], "compression ratio", "Passkey accuracy by policy and ratio")))
+        figures.append(("passkey_accuracy", heat(view["accuracy"], "compression ratio", title)))
     if view["by_depth"]["rows"]:
         figures.append(("passkey_depth", heat(view["by_depth"], "needle depth", "Passkey accuracy by depth")))
+    return figures
+
+
+def _ruler_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The all-tasks grid and one per task, drawn as the passkey heat maps are."""
+    grids = [("ruler_accuracy", view["accuracy"], "Mean recall over all tasks")]
+    grids += [(f"ruler_{t['name']}", t["grid"], f"{t['name']}: recall") for t in view["tasks"]]
+    figures = []
+    for name, grid, title in grids:
+        if grid["rows"]:
+            (_, draw), = _passkey_figures({"accuracy": grid, "by_depth": {"rows": []}}, title=title)
+            figures.append((name, draw))
     return figures
 
 

@@ -18,7 +18,7 @@ from sparseety.errors import RecordError
 from sparseety.schema import TokenRecord
 from sparseety.store.dataset import open_dataset
 from sparseety.store.notices import notice
-from sparseety.store.rows import DRAFT_COLUMNS, DRAFT_EVENTS, DRAFT_GROUP, EVENT_COLUMNS
+from sparseety.store.rows import DRAFT_COLUMNS, DRAFT_EVENTS, DRAFT_GROUP, EVENT_COLUMNS, EVENT_REASONS
 from sparseety.store.sandbox import lock_down
 from sparseety.store.scan import Scan, file_problem, scan_dataset
 from sparseety.store.tables import TABLES
@@ -204,14 +204,17 @@ def _event_arrays(con: duckdb.DuckDBPyConnection, request_id: str, manifest: dic
     groups = sorted({e["group"] for e in manifest.values() if e["table"] == "token_events"})
     if not groups:
         return {}
-    events = [f"{g}" for g in groups if g != DRAFT_GROUP] + (list(DRAFT_EVENTS) if DRAFT_GROUP in groups else [])
+    events = [EVENT_REASONS.get(g, (g, None))[0] for g in groups if g != DRAFT_GROUP]
+    events += list(DRAFT_EVENTS) if DRAFT_GROUP in groups else []
+    has_reason = "reason" in [d[0] for d in con.execute("SELECT * FROM token_events LIMIT 0").description]
     table = _arrow(
         con,
-        "SELECT event, seq, step, layer, kv_head, position, token_id, score FROM token_events "
-        "WHERE request_id = ? AND list_contains(?, event) ORDER BY event, seq",
+        f"SELECT event, {'reason' if has_reason else 'NULL::VARCHAR AS reason'}, seq, step, layer, kv_head, position, "
+        "token_id, score FROM token_events WHERE request_id = ? AND list_contains(?, event) ORDER BY event, seq",
         [request_id, events],
     )
     event = np.asarray(table.column("event").to_pylist(), dtype=object)
+    reason = np.asarray(table.column("reason").to_pylist(), dtype=object)
     columns = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
     out: dict[str, np.ndarray] = {}
     for group in groups:
@@ -222,7 +225,12 @@ def _event_arrays(con: duckdb.DuckDBPyConnection, request_id: str, manifest: dic
             picked["rejected"] = (event[rows][order] == DRAFT_EVENTS[1]).astype(np.int64)
             names = DRAFT_COLUMNS
         else:
-            rows = event == group
+            name, why = EVENT_REASONS.get(group, (group, None))
+            rows = event == name
+            if why == "window":
+                rows &= reason == "window"
+            elif why is not None:  # older files have no reason: only the window edges carry one there
+                rows &= reason != "window"
             picked = {c: columns[c][rows] for c in EVENT_COLUMNS}
             names = EVENT_COLUMNS
         for column in names:

@@ -3,7 +3,8 @@
 Array mapping (recorded in a manifest inside ``document_json`` so reading restores every array):
 
 - event groups ``<kind>.{step,layer,kv_head,position,token_id,score}`` (``evicted``, ``attended``,
-  ``skipped``, ``pruned``) -> ``token_events`` with ``event = <kind>``;
+  ``skipped``, ``pruned``, ``window``) -> ``token_events`` with ``event = <kind>``, except ``skipped``
+  (``event = skipped``, ``reason = topk``) and ``window`` (``event = skipped``, ``reason = window``);
 - ``drafted.{step,position,token_id,rejected}`` -> ``token_events`` with ``event`` ``draft_accepted``
   or ``draft_rejected``;
 - every other array -> ``signals``, one row per leading index (see :data:`~sparseety.store.tables.SIGNALS`).
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from sparseety.engine.result import RunResult
 
 EVENT_COLUMNS = ("step", "layer", "kv_head", "position", "token_id", "score")
+#: Event groups stored under another event name, with a reason: ``group -> (event, reason)``.
+EVENT_REASONS = {"skipped": ("skipped", "topk"), "window": ("skipped", "window")}
 DRAFT_GROUP = "drafted"
 DRAFT_COLUMNS = ("step", "position", "token_id", "rejected")
 DRAFT_EVENTS = ("draft_accepted", "draft_rejected")
@@ -187,7 +190,10 @@ def _split_arrays(request_id: str, arrays: dict[str, np.ndarray], masked_ids: np
         n = len(arrays[names[0]])
         if columns == set(EVENT_COLUMNS):
             part = {c: arrays[f"{prefix}.{c}"] for c in EVENT_COLUMNS}
-            part["event"] = np.full(n, prefix, dtype=object)
+            event, reason = EVENT_REASONS.get(prefix, (prefix, None))
+            part["event"] = np.full(n, event, dtype=object)
+            if reason is not None:
+                part["reason"] = np.full(n, reason, dtype=object)
         elif prefix == DRAFT_GROUP and columns == set(DRAFT_COLUMNS):
             part = {c: arrays[f"{prefix}.{c}"] for c in ("step", "position", "token_id")}
             part["event"] = np.where(arrays[f"{prefix}.rejected"] != 0, DRAFT_EVENTS[1], DRAFT_EVENTS[0]).astype(object)
@@ -242,6 +248,8 @@ def _events_table(request_id: str, parts: list[dict[str, Any]]) -> pa.Table:
             column("position", np.int64),
             column("token_id", np.int64),
             column("score", np.float32),
+            pa.array(np.concatenate([p.get("reason", np.full(len(p["seq"]), None, dtype=object)) for p in parts]),
+                     pa.string()),
         ],
         schema=TOKEN_EVENTS,
     )

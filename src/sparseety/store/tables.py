@@ -64,9 +64,15 @@ TOKEN_EVENTS = pa.schema([
     pa.field("position", pa.int64()),
     pa.field("token_id", pa.int64()),
     pa.field("score", pa.float32()),
+    pa.field("reason", pa.string()),
 ])
 """One row per token event: ``evicted``, ``attended``, ``skipped``, ``pruned``, ``draft_accepted``,
-``draft_rejected``; ``seq`` orders one request's events of one kind; ``kv_head`` -1 = all heads."""
+``draft_rejected``; ``seq`` orders one request's events of one kind; ``kv_head`` -1 = all heads.
+
+``reason`` says why a ``skipped`` token was not seen: ``topk`` (attention top-k left it out; one row
+per position) or ``window`` (a sliding-window layer: one row per step and layer whose ``position`` is
+the window edge, the first position the step's newest query still saw; every position below it was
+hidden). Files written before the column existed read it as NULL."""
 
 IMPORTANT_TOKENS = pa.schema([
     pa.field("request_id", pa.string(), nullable=False),

@@ -3,7 +3,7 @@
 const root = document.getElementById(ROOT_ID);
 const D = JSON.parse(root.querySelector("script.spx-data").textContent);
 const SVGNS = "http://www.w3.org/2000/svg";
-const COLORS = {kept: [43, 140, 190], partly: [253, 174, 97], evicted: [215, 48, 31], unseen: [238, 241, 244]};
+const COLORS = {kept: [43, 140, 190], partly: [253, 174, 97], evicted: [215, 48, 31], unseen: [238, 241, 244], window: [154, 165, 177]};
 const PALETTE = ["#2b6cb0", "#d7301f", "#2f855a", "#b7791f", "#6b46c1", "#c05621", "#319795", "#97266d"];
 const tip = root.querySelector(".tip");
 const q = (sel) => root.querySelector(sel);
@@ -198,6 +198,8 @@ function traceReport() {
   const imp = unpack(D.importance), rk = unpack(D.ranks);
   const T = D.timeline, NEVER = T ? T.never : 0;
   const first = T ? unpack(T.first_step) : null, full = T ? unpack(T.all_step) : null, cnt = T ? unpack(T.heads_evicted) : null;
+  const edges = T && T.window_edge ? unpack(T.window_edge) : null;  /* [layers, steps]: sliding layers' window edge */
+  const hiddenBy = (l, step, p) => edges !== null && p < edges.data[l * T.steps + step];
   const select = q("select.layer-select");
   let layer = D.layer === null ? -1 : D.layer;   /* -1: all layers */
   const marked = {}; for (const [name, list] of Object.entries(D.marks || {})) marked[name] = new Set(list);
@@ -301,7 +303,7 @@ function traceReport() {
     const off = document.createElement("canvas"); off.width = cols; off.height = rows;
     const ctx = off.getContext("2d"), img = ctx.createImageData(cols, rows);
     const layers = layer >= 0 ? [layer] : [...Array(L).keys()];
-    const acc = new Float64Array(cols * 4);
+    const acc = new Float64Array(cols * 5);
     for (let r = 0; r < rows; r++) {
       const step = Math.min(steps - 1, (r + 1) * sb - 1), seq = Math.min(P + step, N);
       acc.fill(0);
@@ -310,14 +312,14 @@ function traceReport() {
         for (let p = 0; p < N; p++) {
           let st;
           if (p >= seq) st = 3;
-          else { const a = full.data[o + p], f = first.data[o + p]; st = a !== NEVER && a <= step ? 2 : f !== NEVER && f <= step ? 1 : 0; }
-          acc[Math.floor(p / pb) * 4 + st] += 1;
+          else { const a = full.data[o + p], f = first.data[o + p]; st = a !== NEVER && a <= step ? 2 : hiddenBy(l, step, p) ? 4 : f !== NEVER && f <= step ? 1 : 0; }
+          acc[Math.floor(p / pb) * 5 + st] += 1;
         }
       }
       for (let c = 0; c < cols; c++) {
-        const w = acc.subarray(c * 4, c * 4 + 4), tot = w[0] + w[1] + w[2] + w[3] || 1, k = (r * cols + c) * 4;
-        const mix = [COLORS.kept, COLORS.partly, COLORS.evicted, COLORS.unseen];
-        for (let ch = 0; ch < 3; ch++) img.data[k + ch] = (w[0] * mix[0][ch] + w[1] * mix[1][ch] + w[2] * mix[2][ch] + w[3] * mix[3][ch]) / tot;
+        const w = acc.subarray(c * 5, c * 5 + 5), tot = w[0] + w[1] + w[2] + w[3] + w[4] || 1, k = (r * cols + c) * 4;
+        const mix = [COLORS.kept, COLORS.partly, COLORS.evicted, COLORS.unseen, COLORS.window];
+        for (let ch = 0; ch < 3; ch++) img.data[k + ch] = (w[0] * mix[0][ch] + w[1] * mix[1][ch] + w[2] * mix[2][ch] + w[3] * mix[3][ch] + w[4] * mix[4][ch]) / tot;
         img.data[k + 3] = 255;
       }
     }
@@ -349,7 +351,7 @@ function traceReport() {
       if (layer >= 0) {
         const i = layer * N + p, seq = Math.min(P + step, N);
         const st = p >= seq ? "not yet seen" : full.data[i] !== NEVER && full.data[i] <= step ? "evicted (all KV heads)"
-          : first.data[i] !== NEVER && first.data[i] <= step ? `evicted by ${cnt.data[i]}/${T.kv_heads} KV heads` : "kept";
+          : hiddenBy(layer, step, p) ? "outside the sliding window" : first.data[i] !== NEVER && first.data[i] <= step ? `evicted by ${cnt.data[i]}/${T.kv_heads} KV heads` : "kept";
         box.append(el("div", {text: `${layerName(layer)}: ${st}`}));
       }
       showTip(ev, box);
@@ -480,6 +482,12 @@ function passkeyReport() {
     byDepth.append(lineChart({series: D.by_depth.rows.map((r, i) => ({name: r, xs, ys: D.by_depth.values[i]})), yMin: 0, yMax: 1,
       xLabel: "needle depth", yLabel: "accuracy", width: 1000, height: 260, legend: []}));
 }
+function rulerReport() {
+  const pct = (v) => `${(v * 100).toFixed(0)}%`;
+  q(".accuracy-body").append(heatRamp("0%", "100%", "recall"), heatTable(D.accuracy, "policy", "compression ratio", pct));
+  D.tasks.forEach((t, i) => q(`.task-body-${i}`).append(heatTable(t.grid, "policy", "compression ratio", pct)));
+  q(".kv-body").append(heatTable(D.kv_fraction, "policy", "compression ratio", (v) => v.toFixed(3)));
+}
 function tuneReport() {
   const c = D.curve;
   q(".tune-body").append(lineChart({series: [{name: D.metric || "value", xs: c.map((p) => p.budget), ys: c.map((p) => p.value), color: "#2b6cb0",
@@ -496,7 +504,7 @@ function tuneReport() {
 }
 
 try {
-  if (D.kind === "trace") traceReport(); else if (D.kind === "passkey") passkeyReport(); else if (D.kind === "tune") tuneReport();
+  if (D.kind === "trace") traceReport(); else if (D.kind === "passkey") passkeyReport(); else if (D.kind === "ruler") rulerReport(); else if (D.kind === "tune") tuneReport();
   root.setAttribute("data-ready-ms", performance.now().toFixed(1));
   root.setAttribute("data-ready", "1");
 } catch (err) {
