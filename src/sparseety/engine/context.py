@@ -164,6 +164,7 @@ class RunContext:
     reconstruction: ReconstructionChunk | None = None  #: the reconstruction forward in progress, if any
     reconstruction_region: int = 0  #: positions ``0 .. region - 1`` the reconstruction scores
     _reconstruction_scores: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer ``[b, kv_heads, region]``
+    _token_ids: torch.Tensor | None = None  #: ``[b, seen]`` ids fed so far, kept only for policies that need them
 
     def __post_init__(self) -> None:
         self.recorded_layers = self.layers.fixed(self.num_layers) if self.tier >= 2 else ()
@@ -207,9 +208,35 @@ class RunContext:
             first = seen + q_len - self.drafts_in_forward
             ids = input_ids[0, -self.drafts_in_forward:].tolist() if input_ids is not None else [-1] * self.drafts_in_forward
             self.drafts.extend((self.forward_index, self.step, first + i, token) for i, token in enumerate(ids))
+        if self.policy.needs_token_ids:
+            self._feed_ids(seen, q_len, input_ids)
         if self.tier >= 3 and not self.partial_prefill:
             self.step_vectors.append(torch.zeros(self.num_layers, seen + q_len, dtype=torch.float16))
         self._t0 = time.perf_counter()
+
+    def _feed_ids(self, seen: int, q_len: int, input_ids: torch.Tensor | None) -> None:
+        """Write this forward's token ids at positions ``seen .. seen + q_len`` (-1 when not given, e.g. embeddings)."""
+        ids = torch.full((1, q_len), -1, dtype=torch.long) if input_ids is None else input_ids[:, -q_len:].long().cpu()
+        held = self._token_ids
+        if held is None or held.shape[0] != ids.shape[0]:
+            held = torch.full((ids.shape[0], 0), -1, dtype=torch.long)
+        if held.shape[1] < seen + q_len:
+            grown = torch.full((ids.shape[0], seen + q_len), -1, dtype=torch.long)
+            grown[:, : min(seen, held.shape[1])] = held[:, :seen]
+            held = grown
+        held[:, seen: seen + q_len] = ids
+        self._token_ids = held
+
+    def slot_token_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[b, kv_heads, n]`` token id of every slot (positions ``[b, kv_heads, n]``), -1 where unknown."""
+        held = self._token_ids
+        if held is None:
+            return torch.full_like(positions, -1)
+        where = positions.cpu().long()
+        b = where.shape[0]
+        rows = held if held.shape[0] == b else held[:1].expand(b, -1)
+        ids = rows.gather(1, where.reshape(b, -1).clamp(0, max(0, held.shape[1] - 1))).reshape(where.shape)
+        return torch.where(where < held.shape[1], ids, -1).to(positions.device)
 
     def draft_outcomes(self, sequence: list[int]) -> dict[str, np.ndarray]:
         """Per drafted token: ``drafted.{step,position,token_id,rejected}`` given the final ``sequence``.
@@ -356,6 +383,7 @@ class RunContext:
             attention=None if signal is None else group_mean(signal, self.kv_heads),
             state=cache_layer.state, seed=self.seed,
             queries=seen.queries, values=seen.values, rotary=seen.rotary,
+            token_ids=self.slot_token_ids(positions) if self.policy.needs_token_ids else None,
         )
         scores, state = self.policy.score(obs)
         cache_layer.state = state

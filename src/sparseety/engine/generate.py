@@ -12,6 +12,7 @@ as one continuous batch. Everything SparSEEty adds happens beside the computatio
 from __future__ import annotations
 
 import contextlib
+import functools
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -35,7 +36,8 @@ from sparseety.engine.request import GenerationOptions
 from sparseety.engine.result import RunResult
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from sparseety.errors import ConfigError, InputError
-from sparseety.policies.base import Policy
+from sparseety.models.fingerprint import model_fingerprint
+from sparseety.policies.base import ModelInfo, Policy
 from sparseety.policies.prune import PruneSchedule
 
 
@@ -61,6 +63,14 @@ class SparseEngine:
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         model.set_attn_implementation(ATTENTION_NAME)
         _install_hooks(model)
+
+    @functools.cached_property
+    def model_info(self) -> ModelInfo:
+        """The model a policy is bound to (:meth:`Policy.bind`); the weights are hashed only when asked."""
+        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        return ModelInfo(name=self.model_name, num_layers=self.num_layers, kv_heads=self.kv_heads,
+                         head_dim=self.head_dim, vocab_size=getattr(config, "vocab_size", None),
+                         fingerprint=functools.partial(model_fingerprint, self.model))
 
     def decode(self, token_id: int) -> str:
         """Text of one token id."""
@@ -226,6 +236,7 @@ class SparseEngine:
     def new_context(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions,
                     on_prefill_layer: Callable[[int, int], None] | None = None) -> RunContext:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``) for one request."""
+        policy.bind(self.model_info)
         return RunContext(
             policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
             kv_heads=self.kv_heads, tier=options.tier, input_len=encoded.input_len,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +60,8 @@ class Observation:
     rotary : ``[rotary_dim // 2]`` float32 RoPE inverse frequencies of this layer (the first
         ``rotary_dim`` dims of a head are rotated, ``rotate_half`` layout), with ``queries``; None when
         the model has none.
+    token_ids : ``[b, kv_heads, n]`` token id of every slot (-1 where unknown), only for policies whose
+        :attr:`Policy.needs_token_ids` is True; None otherwise.
     """
 
     layer: int
@@ -73,6 +76,22 @@ class Observation:
     queries: torch.Tensor | None = None
     values: torch.Tensor | None = None
     rotary: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy may learn about the model it runs on (:meth:`Policy.bind`).
+
+    ``fingerprint`` is a callable so that only a policy that asks pays for hashing the weights.
+    """
+
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int | None
+    fingerprint: Callable[[], str]
 
 
 @dataclass
@@ -90,6 +109,8 @@ class Policy:
     #: True for policies that score the region after its prefill from a teacher-forced pass of their own
     #: (``kvzip``): the engine defers the region's eviction, runs the pass, discards its KV, then evicts.
     reconstructs: ClassVar[bool] = False
+    #: True for policies that read :attr:`Observation.token_ids` (the engine fills it only for them).
+    needs_token_ids: ClassVar[bool] = False
 
     budget: int | None = None
 
@@ -117,6 +138,10 @@ class Policy:
     def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         """Slots this layer may hold per KV head (None: unbounded), once ``seen`` tokens were seen."""
         return self.budget
+
+    def bind(self, model: ModelInfo) -> None:
+        """Called when a run context is created for this policy on ``model``; raise :class:`ConfigError`
+        when the policy cannot run on it. The default accepts every model."""
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:

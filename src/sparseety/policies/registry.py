@@ -10,6 +10,7 @@ from sparseety.policies.base import Policy
 from sparseety.policies.dense import DensePolicy
 from sparseety.policies.h2o import H2OPolicy
 from sparseety.policies.knorm import KnormPolicy
+from sparseety.policies.learned import LearnedPolicy
 from sparseety.policies.kvzip import KVzipPolicy
 from sparseety.policies.pyramid import PyramidPolicy
 from sparseety.policies.random_baseline import RandomPolicy
@@ -22,7 +23,7 @@ _POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         DensePolicy, StreamingPolicy, H2OPolicy, SnapKVPolicy, TOVAPolicy, KnormPolicy,
-        RandomPolicy, PyramidPolicy, TopKAttentionPolicy,
+        RandomPolicy, PyramidPolicy, TopKAttentionPolicy, LearnedPolicy,
         KVzipPolicy,
     )
 }
