@@ -28,6 +28,7 @@ REQUIRED: dict[str, list[str]] = {
     "traces show": ["some-id"],
     "run": ["--prompt", "hi"],
     "compare": ["--prompt", "hi"],
+    "learn-policy": ["traces", "-o", "policy.safetensors"],
 }
 
 

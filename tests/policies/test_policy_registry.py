@@ -12,7 +12,7 @@ from sparseety.policies import (
     resolve_budget,
 )
 
-EXPECTED = {"dense", "streaming", "h2o", "snapkv", "tova", "knorm", "random", "pyramid", "topk_attention", "kvzip"}
+EXPECTED = {"dense", "streaming", "h2o", "snapkv", "tova", "knorm", "random", "pyramid", "topk_attention", "kvzip", "learned"}
 BUDGETED = sorted(EXPECTED - {"dense"})
 
 

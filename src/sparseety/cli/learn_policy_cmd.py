@@ -1,0 +1,76 @@
+"""``sparseety learn-policy``: train the ``learned`` policy's predictor from tier-3 traces."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparseety.cli.app import app, user_errors
+
+
+@app.command("learn-policy")
+@user_errors
+def learn_policy_cmd(
+    trace_dir: Path = typer.Argument(..., help="Trace dataset holding tier-3 traces (sparseety run --tier 3)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Predictor file to write (safetensors)."),
+    model: str | None = typer.Option(None, "--model", help="Model to replay the prefills on (default: the one "
+                                     "the traces name); traces of other models are ignored."),
+    epochs: int = typer.Option(30, "--epochs", help="Passes over the training slots."),
+    hidden: int = typer.Option(16, "--hidden", help="Hidden units of the MLP (0: a logistic model)."),
+    lr: float = typer.Option(3e-3, "--lr", help="Adam learning rate."),
+    label_top: float = typer.Option(0.1, "--label-top", help="Share of the context's positions labelled as "
+                                    "heavy hitters (by attention received from later steps)."),
+    holdout: float = typer.Option(0.25, "--holdout", help="Share of the requests held out for the metrics."),
+    max_examples: int = typer.Option(300_000, "--max-examples", help="Training slots at most (evenly subsampled)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the split, the subsample and the initial weights."),
+    text_source: str = typer.Option("unspecified", "--text-source", help="What text the traces were made from "
+                                    "(recorded in the file's provenance)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (metrics and provenance)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
+) -> None:
+    """Replay each traced prefill, label positions by the attention later steps gave them, fit a tiny predictor,
+    print its held-out ranking quality against h2o, tova and recency, and write it with its provenance."""
+    from sparseety.analysis.learn_policy import TrainConfig, learn, read_examples
+    from sparseety.engine import SparseEngine
+    from sparseety.errors import ConfigError
+    from sparseety.models import load_model
+
+    checks = [(epochs >= 1, f"--epochs must be at least 1, got {epochs}"),
+              (0 <= hidden <= 1024, f"--hidden must be in 0..1024, got {hidden}"),
+              (0 < lr <= 1, f"--lr must be in (0, 1], got {lr}"),
+              (0 < label_top < 1, f"--label-top must be in (0, 1), got {label_top}"),
+              (0 <= holdout < 1, f"--holdout must be in [0, 1), got {holdout}"),
+              (max_examples >= 100, f"--max-examples must be at least 100, got {max_examples}")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"-o must name a .safetensors file, got {out}")
+    examples = read_examples(trace_dir, model)  # before the model loads: an empty dataset fails at once
+    name = model or examples[0].model
+    say = (lambda m: None) if quiet or as_json else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"{len(examples)} tier-3 requests of model {name}; loading it to replay their prefills")
+    lm, tokenizer = load_model(name)
+    engine = SparseEngine(lm, tokenizer, name)
+    config = TrainConfig(epochs=epochs, hidden=hidden, lr=lr, label_top=label_top, holdout=holdout,
+                         max_examples=max_examples, seed=seed)
+    result = learn(engine, examples, config, trace_dir=str(trace_dir), text_source=text_source, on_progress=say)
+    path = result.predictor.save(out)
+    if as_json:
+        print(json.dumps({"out": str(path), "metrics": result.metrics,
+                          "provenance": result.predictor.provenance}, indent=2))
+        return
+    console = Console()
+    keys = sorted({k for row in result.metrics.values() for k in row})
+    table = Table("method", *keys, title=f"held-out ranking quality ({len(result.heldout_requests)} requests): "
+                  "share of the next steps' top-attended positions kept")
+    for method, row in result.metrics.items():
+        table.add_row(method, *(f"{row[k]:.3f}" for k in keys))
+    console.print(table)
+    console.print(f"wrote {path} (trained for {result.predictor.model}, {result.predictor.model_fingerprint}, "
+                  f"{result.examples} slots from {len(result.train_requests)} requests)")

@@ -1,0 +1,117 @@
+"""``sparseety learn-policy``: tier-3 traces of a tiny model (a local folder) -> predictor file -> ``run
+--policy learned`` with the budget held; clear errors for an empty or missing trace directory and a file
+trained for another model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+
+from tiny_models import build_model, build_tokenizer  # noqa: E402
+
+from sparseety.cli import app  # noqa: E402
+from sparseety.policies.learned_features import feature_names  # noqa: E402
+from sparseety.policies.learned_model import read_predictor  # noqa: E402
+
+PROMPT = " ".join(f"t{4 + (i * 7) % 150}" for i in range(36))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny llama saved as a local model folder, and a trace dataset of four tier-3 dense runs of it."""
+    root = tmp_path_factory.mktemp("learn")
+    folder = root / "tiny-llama"
+    build_model("llama").save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    torch.set_num_threads(1)
+    for i in range(4):
+        words = PROMPT.split()
+        prompt = " ".join(words[i:] + words[:i])
+        done = invoke("run", "--model", str(folder), "--prompt", prompt, "--no-chat", "--policy", "dense",
+                      "--tier", "3", "--force-trace", "--max-new-tokens", "6", "--trace-dir", str(root / "traces"),
+                      "--no-report", "--json")
+        assert done.exit_code == 0, done.output
+    return folder, root / "traces"
+
+
+def test_learn_then_run_the_learned_policy(traced, tmp_path):
+    folder, traces = traced
+    out = tmp_path / "policy.safetensors"
+    done = invoke("learn-policy", str(traces), "-o", str(out), "--epochs", "2", "--seed", "3",
+                  "--text-source", "tiny words", "--json")
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.stdout)
+    assert set(report["metrics"]) == {"learned", "learned_kv_head", "tova", "h2o", "recency"}
+    assert all(0.0 <= v <= 1.0 for row in report["metrics"].values() for v in row.values())
+    predictor = read_predictor(out)
+    provenance = predictor.provenance
+    assert predictor.model == str(folder) and provenance["model"] == str(folder)
+    assert provenance["model_fingerprint"].startswith("sha256:")
+    assert provenance["features"] == feature_names(4, 2) == predictor.features
+    assert provenance["trace_dir"] == str(traces) and provenance["text_source"] == "tiny words"
+    assert provenance["requests"] == 4 and len(provenance["heldout_request_ids"]) == 1
+    assert provenance["config"]["seed"] == 3 and provenance["metrics"] == report["metrics"]
+
+    table = invoke("learn-policy", str(traces), "-o", str(tmp_path / "again.safetensors"), "--epochs", "1")
+    assert table.exit_code == 0, table.output
+    assert "held-out ranking quality" in table.stdout and "h2o" in table.stdout and "tova" in table.stdout
+
+    budget, new = 12, 8
+    run = invoke("run", "--model", str(folder), "--prompt", PROMPT, "--no-chat", "--policy", "learned",
+                 "--policy-opt", f"model={out}", "--budget", str(budget), "--max-new-tokens", str(new),
+                 "--trace-dir", str(tmp_path / "run-traces"), "--no-report", "--json")
+    assert run.exit_code == 0, run.output
+    sparsity = json.loads(run.stdout)["sparsity"]
+    assert sparsity["policy"] == "learned" and sparsity["eviction_events"] > 0
+    for by_head in sparsity["kept_positions_final"].values():
+        assert all(len(kept) == budget for kept in by_head.values())
+
+
+def test_a_file_for_another_model_is_refused(traced, tmp_path):
+    folder, traces = traced
+    out = tmp_path / "policy.safetensors"
+    assert invoke("learn-policy", str(traces), "-o", str(out), "--epochs", "1").exit_code == 0
+    other = tmp_path / "tiny-qwen2"
+    build_model("qwen2").save_pretrained(other)
+    build_tokenizer().save_pretrained(other)
+    run = invoke("run", "--model", str(other), "--prompt", PROMPT, "--no-chat", "--policy", "learned",
+                 "--policy-opt", f"model={out}", "--budget", "8", "--max-new-tokens", "2", "--no-report",
+                 "--trace-dir", str(tmp_path / "t"))
+    assert run.exit_code == 2
+    assert run.stderr.startswith("error: ") and str(folder) in run.stderr and str(other) in run.stderr
+
+
+def test_empty_or_missing_trace_dir_fails_clearly(traced, tmp_path):
+    folder, _ = traced
+    (tmp_path / "empty").mkdir()
+    tier2 = invoke("run", "--model", str(folder), "--prompt", PROMPT, "--no-chat", "--policy", "dense",
+                   "--max-new-tokens", "2", "--trace-dir", str(tmp_path / "tier2"), "--no-report", "--json")
+    assert tier2.exit_code == 0, tier2.output
+    for target, message in ((tmp_path / "empty", "not a sparseety trace dataset"),
+                            (tmp_path / "tier2", "no tier-3 traces"), (tmp_path / "missing", "does not exist")):
+        done = invoke("learn-policy", str(target), "-o", str(tmp_path / "p.safetensors"))
+        assert done.exit_code == 2, done.output
+        assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+        assert "Traceback" not in done.output
+    assert not (tmp_path / "p.safetensors").exists()
+    bad = invoke("learn-policy", str(tmp_path / "empty"), "-o", str(tmp_path / "p.bin"))
+    assert bad.exit_code == 2 and ".safetensors" in bad.stderr
