@@ -35,9 +35,14 @@ MIXED = [  # (policy, budget, options), every deterministic policy
     ("knorm", 22, {}),
     ("random", 19, {}),
     ("topk_attention", 12, {}),
+    ("keydiff", 21, {}),
+    ("expected_attention", 23, {}),
+    ("compactor", 25, {"chunk_size": "16"}),
     ("kvzip", 21, {"window": "4"}),
 ]
 LENGTHS = [5, 40, 90, 17, 63, 33, 71, 28, 50, 45]
+
+LENGTHS = LENGTHS + [45, 80, 36]  # one more prompt for each of keydiff, expected_attention, compactor
 
 
 def policies():

@@ -7,9 +7,12 @@ from typing import Any
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import Policy
+from sparseety.policies.compactor import CompactorPolicy
 from sparseety.policies.dense import DensePolicy
+from sparseety.policies.expected_attention import ExpectedAttentionPolicy
 from sparseety.policies.h2o import H2OPolicy
 from sparseety.policies.knorm import KnormPolicy
+from sparseety.policies.keydiff import KeyDiffPolicy
 from sparseety.policies.learned import LearnedPolicy
 from sparseety.policies.kvzip import KVzipPolicy
 from sparseety.policies.pyramid import PyramidPolicy
@@ -25,6 +28,7 @@ _POLICIES: dict[str, type[Policy]] = {
         DensePolicy, StreamingPolicy, H2OPolicy, SnapKVPolicy, TOVAPolicy, KnormPolicy,
         RandomPolicy, PyramidPolicy, TopKAttentionPolicy, LearnedPolicy,
         KVzipPolicy,
+        KeyDiffPolicy, ExpectedAttentionPolicy, CompactorPolicy,
     )
 }
 
