@@ -123,3 +123,22 @@ def test_decode_steps_max_accumulate_and_protect_the_recent_window():
     assert state[0, 0].tolist() == pytest.approx([0.2, 0.4, 0.1, 0.6, 0.5, 0.1])
     assert scores[0, 0, 0] == float("inf") and scores[0, 0, 4:].tolist() == [float("inf")] * 2
     assert scores[0, 0, 1:4].tolist() == pytest.approx([0.4, 0.1, 0.6])
+
+
+@pytest.mark.parametrize("chunk", [ReconstructionChunk((0,) * 9, 0, 20, 0), ReconstructionChunk((0,) * 9, 6, 14, 4),
+                                   ReconstructionChunk((0,) * 9, 2, 20, 2)])
+def test_the_fused_cpu_pass_equals_sdpa_plus_the_blockwise_scores(chunk):
+    from sparseety.engine.reconstruct import reconstruction_attention
+
+    g = torch.Generator().manual_seed(1)
+    q = len(chunk.ids)
+    query = torch.randn(1, 6, q, 8, generator=g)
+    key, value = torch.randn(1, 2, 20 + q, 8, generator=g), torch.randn(1, 2, 20 + q, 8, generator=g)
+    fused = reconstruction_attention(query, key, value, 0.35, chunk)
+    assert fused is not None
+    out, scores = fused
+    mask = torch.arange(20 + q).unsqueeze(0) <= torch.arange(q).unsqueeze(1) + 20
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.35,
+                                                                enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores, naive_scores(query, key, 0.35, chunk), rtol=1e-5, atol=1e-6)

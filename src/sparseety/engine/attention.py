@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sparseety.engine.context import LayerSignals, RunContext, active_context
 from sparseety.engine.packed import active_packed
-from sparseety.engine.reconstruct import reconstruction_scores
+from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores
 
 ATTENTION_NAME = "sparseety"
 COLSUM_BLOCK = 128
@@ -188,6 +188,11 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
            scaling: float, kwargs: dict) -> torch.Tensor:
     """One sequence's attention through its run context: output ``[b, q, heads, d]``; the context scores and evicts."""
     layer = module.layer_idx
+    if ctx.reconstruction is not None:  # kvzip's reconstruction pass: output and slot scores in one go (CPU)
+        fused = reconstruction_attention(query, key, value, scaling, ctx.reconstruction)
+        if fused is not None:
+            ctx.observe(layer, key, LayerSignals(reconstruction=fused[1]))
+            return fused[0]
     q, n = query.shape[2], key.shape[2]
     plan = ctx.plan(layer, q, n)
     seen = LayerSignals()
@@ -219,7 +224,7 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
     seen.values = value
     if plan.query_rows:  # only for policies that read query rows (a view, no copy)
         seen.queries, seen.rotary = query[:, :, q - plan.query_rows:], ctx.rotary(layer, module)
-    if ctx.reconstruction is not None:  # kvzip's reconstruction pass: score the region's slots from these queries
+    if ctx.reconstruction is not None:  # kvzip's reconstruction pass elsewhere: score the region's slots from these queries
         seen.reconstruction = reconstruction_scores(query, key, scaling, ctx.reconstruction)
     ctx.observe(layer, key, seen)
     return out

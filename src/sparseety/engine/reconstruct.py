@@ -65,6 +65,69 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, scaling: float
     return best
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+           causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output [b, h, r, d], logsumexp [b, h, r] float32)`` of CPU flash attention (no mask)."""
+    out, lse = _FLASH_CPU(query, key, value, 0.0, causal, scale=scaling)
+    return out, lse.float()
+
+
+def reconstruction_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                             chunk: ReconstructionChunk) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reconstruction rows' attention output and their kvzip scores in one pass (CPU), None elsewhere.
+
+    The keys split into the chunk's scoring set without the reconstruction's own keys (sinks and the
+    chunk: every row sees all of them), the rest of the context, and the own keys (causal); three
+    flash-attention calls give each part's output and log-sum-exp, merged into the output over all
+    keys. The scoring softmax's normaliser (sinks, chunk and own keys, kvpress's) is the merge of the
+    first and third, so a slot's score ``max exp(q·k * scaling - lse)`` needs one ``[rows, chunk]``
+    product (the ``- lse`` folded into it as an extra dimension) and a max: no softmax over the chunk.
+    Equal to :func:`reconstruction_scores` beside SDPA up to float rounding.
+
+    Returns
+    -------
+    output : ``[b, q, heads, d]``.
+    scores : ``[b, kv_heads, chunk.end - chunk.start]`` float32.
+    """
+    if _FLASH_CPU is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16,
+                                                                                torch.float16):
+        return None
+    b, h, q, d = query.shape
+    kvh, n = key.shape[1], key.shape[2]
+    g = h // kvh
+    n_ctx = n - q
+    rows = query.reshape(b, kvh, g * q, d)  # the g query heads of a KV head as extra rows: no key copies
+    chunk_keys = torch.cat([key[:, :, : chunk.sinks], key[:, :, chunk.start : chunk.end]], dim=2)
+    chunk_values = torch.cat([value[:, :, : chunk.sinks], value[:, :, chunk.start : chunk.end]], dim=2)
+    parts = [_flash(rows, chunk_keys, chunk_values, scaling)]
+    rest = [r for r in ((chunk.sinks, chunk.start), (chunk.end, n_ctx)) if r[1] > r[0]]
+    if rest:
+        rest_keys = torch.cat([key[:, :, a:z] for a, z in rest], dim=2)
+        rest_values = torch.cat([value[:, :, a:z] for a, z in rest], dim=2)
+        parts.append(_flash(rows, rest_keys, rest_values, scaling))
+    own_out, own_lse = _flash(query, key[:, :, n_ctx:].repeat_interleave(g, dim=1),
+                              value[:, :, n_ctx:].repeat_interleave(g, dim=1), scaling, causal=True)
+    parts = [(o.reshape(b, h, q, d), lse.reshape(b, h, q)) for o, lse in parts]
+    scored_lse = torch.logaddexp(parts[0][1], own_lse)  # kvpress's softmax: sinks, chunk and own keys
+    total = scored_lse if len(parts) == 1 else torch.logaddexp(scored_lse, parts[1][1])
+    out = own_out.float() * torch.exp(own_lse - total).unsqueeze(-1)
+    for o, lse in parts:
+        out += o.float() * torch.exp(lse - total).unsqueeze(-1)
+    # scores: max over rows and group of exp(q·k * scaling - scored_lse), over the chunk's slots only
+    ctx_len = chunk.end - chunk.start
+    aug_keys = torch.cat([key[:, :, chunk.start : chunk.end].float(),
+                          torch.ones(b, kvh, ctx_len, 1, device=key.device)], dim=-1).transpose(-1, -2)
+    aug_rows = torch.cat([rows.float() * scaling, -scored_lse.reshape(b, kvh, g * q, 1)], dim=-1)
+    best = torch.full((b, kvh, ctx_len), float("-inf"), device=query.device)
+    for first in range(0, g * q, SCORE_BLOCK):
+        block = torch.matmul(aug_rows[:, :, first : first + SCORE_BLOCK], aug_keys)  # [b, kvh, r, ctx_len]
+        best = torch.maximum(best, block.amax(dim=2))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), best.exp()
+
+
 def check_reconstruction(ctx: RunContext) -> None:
     """Refuse what the reconstruction cannot run on (a typed error naming the policy)."""
     if any(getattr(layer, "window", None) is not None for layer in ctx.cache.layers):
