@@ -10,7 +10,7 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import Observation, Policy, check_positive_int, protect
-from sparseety.policies.rotary import mean_rotation, unrotate
+from sparseety.policies.rotary import mean_rotate, mean_rotation, mean_rotation_coefficients, unrotate
 
 ALL_ROWS = 1 << 40  #: :meth:`Policy.query_rows` for "every row of the prompt"
 
@@ -41,33 +41,37 @@ def query_statistics(queries: torch.Tensor, positions: torch.Tensor, rotary: tor
     if covariance and w > 1:
         centred = (pre - mu.unsqueeze(2)) * weight.sqrt()
         cov = centred.transpose(-1, -2) @ centred  # [b, h, d, d], divided by the row count (kvpress)
-    R = torch.eye(d) if rotary is None else mean_rotation(future, n_future, rotary, d)
-    R = R.to(mu.device)
-    mu = mu @ R.T
-    if cov is not None:
-        cov = R @ cov @ R.T
-    return mu, cov
+    if rotary is None:
+        return mu, cov
+    if cov is None:  # R @ mu without forming R (every decode step comes here)
+        return mean_rotate(mu, *mean_rotation_coefficients(future, n_future, rotary)), None
+    R = mean_rotation(future, n_future, rotary, d).to(mu.device)
+    return mu @ R.T, R @ cov @ R.T
 
 
 def expected_scores(keys: torch.Tensor, values: torch.Tensor, mu: torch.Tensor, cov: torch.Tensor | None,
-                    scored: torch.Tensor, use_vnorm: bool, epsilon: float) -> torch.Tensor:
+                    scored: torch.Tensor, use_vnorm: bool, epsilon: float, only_last: int = 0) -> torch.Tensor:
     """``[b, kv_heads, n]`` expected attention of every ``scored`` slot (others: 0), averaged over the KV group.
 
     ``softmax_n(mu·k / sqrt(d) + k^T cov k / (2d))`` over the scored slots of each query head, the mean
     over the query heads of the KV group, then ``(p + epsilon) * ||v||`` with ``use_vnorm``.
     keys, values : ``[b, kv_heads, n, d]``; mu ``[b, heads, d]``; cov ``[b, heads, d, d]`` or None;
-    scored ``[b, kv_heads, n]`` bool.
+    scored ``[b, kv_heads, n]`` bool. ``only_last > 0``: return only the last ``only_last`` slots'
+    scores ``[b, kv_heads, only_last]`` (still normalised over every scored slot; a decode step).
     """
     b, kvh, n, d = keys.shape
     g = mu.shape[1] // kvh
     k = keys.float()
-    logits = (mu.view(b, kvh, g, 1, d) @ k.unsqueeze(2).transpose(-1, -2)).squeeze(-2) / math.sqrt(d)  # [b, kvh, g, n]
-    if cov is not None:
-        kc = k.unsqueeze(2) @ cov.view(b, kvh, g, d, d)  # [b, kvh, g, n, d]
-        logits = logits + (kc * k.unsqueeze(2)).sum(dim=-1) / d / 2
+    # one GEMM per KV head (no broadcast copies of the keys): [g, d] @ [d, n]
+    logits = (mu.view(b, kvh, g, d) @ k.transpose(-1, -2)) / math.sqrt(d)  # [b, kvh, g, n]
+    if cov is not None:  # k^T S_g k for every query head g of the group: [n, d] @ [d, g * d]
+        kc = (k @ cov.view(b, kvh, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, kvh, d, g * d)).view(b, kvh, n, g, d)
+        logits = logits + ((kc * k.unsqueeze(3)).sum(dim=-1) / d / 2).transpose(-1, -2)
     logits = logits.masked_fill(~scored.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).mean(dim=2)  # [b, kvh, n]
-    probs = torch.nan_to_num(probs, nan=0.0)
+    probs = torch.softmax(logits, dim=-1)
+    if only_last:
+        probs, values, scored = probs[..., n - only_last:], values[:, :, n - only_last:], scored[..., n - only_last:]
+    probs = torch.nan_to_num(probs.mean(dim=2), nan=0.0)  # [b, kvh, n or only_last]
     if use_vnorm:
         probs = (probs + epsilon) * values.float().norm(dim=-1)
     return probs.masked_fill(~scored, 0.0)
@@ -134,10 +138,12 @@ class ExpectedAttentionPolicy(Policy):
         sinks = positions < self.n_sink
         mu, cov = query_statistics(obs.queries, rows, obs.rotary, self.n_sink, future, self.n_future_positions,
                                    self.use_covariance)
-        scores = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon))
         if not obs.prefill and obs.state is not None:  # older slots keep the score they arrived with
-            new = torch.zeros_like(sinks)
-            new[..., n - w:] = True
-            scores = torch.where(new, scores, obs.state)
+            fresh = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon),
+                                    only_last=w)
+            scores = obs.state.clone()
+            scores[..., n - w:] = fresh
+        else:
+            scores = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon))
         scores = protect(scores, sinks)
         return scores, scores

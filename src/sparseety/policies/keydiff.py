@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from sparseety.policies.base import Observation, Policy
 
@@ -15,11 +14,16 @@ def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
     """``[b, kv_heads, n]`` minus the cosine similarity of every key to its head's anchor.
 
     The anchor is the mean of the L2-normalised keys ``[b, kv_heads, n, d]`` of the head (kvpress's
-    ``KeyDiffPress``: ``F.normalize`` then ``mean`` over the sequence, then ``-F.cosine_similarity``).
+    ``KeyDiffPress``: ``F.normalize`` then ``mean`` over the sequence, then ``-F.cosine_similarity``),
+    computed as two GEMVs over the keys plus their norms (three passes; kvpress's form takes five).
     """
     keys = keys.float()
-    anchor = F.normalize(keys, p=2, dim=-1).mean(dim=2, keepdim=True)
-    return -F.cosine_similarity(keys, anchor, dim=-1)
+    norms = torch.linalg.vector_norm(keys, dim=-1)  # [b, h, n]
+    inverse = 1.0 / norms.clamp_min(1e-12)  # F.normalize's eps
+    anchor = (inverse.unsqueeze(-2) @ keys) / keys.shape[-2]  # [b, h, 1, d]: the mean unit key, one GEMV
+    dots = (keys @ anchor.transpose(-1, -2)).squeeze(-1)  # [b, h, n]
+    anchor_norm = torch.linalg.vector_norm(anchor, dim=-1)  # [b, h, 1]
+    return -dots / (norms * anchor_norm).clamp_min(1e-8)  # F.cosine_similarity's eps
 
 
 @dataclass

@@ -69,6 +69,32 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
     return rotate(x.float(), angles)
 
 
+def mean_rotation_coefficients(start: int, count: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[rotary_dim]``: ``mean_t cos(t w)`` and ``mean_t sin(t w)`` over ``t = start .. start + count - 1``.
+
+    Closed form (a Dirichlet kernel, in float64): ``mean_t e^{i t w} = e^{i (start + (count - 1) / 2) w}
+    sin(count w / 2) / (count sin(w / 2))``, so the cost does not grow with ``count``. Laid out as
+    ``cat(freqs, freqs)``, like transformers' ``cos``/``sin``.
+    """
+    w = inv_freq.double()
+    half_w = w / 2
+    ratio = torch.where(half_w.sin().abs() > 1e-300, (count * half_w).sin() / (count * half_w.sin()),
+                        torch.ones_like(w))
+    centre = (start + (count - 1) / 2) * w
+    cos, sin = (centre.cos() * ratio).float(), (centre.sin() * ratio).float()
+    return torch.cat([cos, cos]), torch.cat([sin, sin])
+
+
+def mean_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``R @ x`` for ``x [..., d]`` with the averaged rotation ``R = diag(cos) + diag(sin) P`` (see below)."""
+    half = cos.shape[0] // 2
+    rot = 2 * half
+    x_rot = x[..., :rot]
+    rotated_half = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos.to(x.device) + rotated_half * sin.to(x.device)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
+
+
 def mean_rotation(start: int, count: int, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``[d, d]`` the RoPE rotation matrix averaged over positions ``start .. start + count - 1``.
 
@@ -76,14 +102,11 @@ def mean_rotation(start: int, count: int, inv_freq: torch.Tensor, head_dim: int)
     ``rotate_half`` matrix, so ``R @ x`` is the average of ``x`` rotated to each of those positions.
     Dims past ``rotary_dim`` keep the identity.
     """
+    cos, sin = mean_rotation_coefficients(start, count, inv_freq)
     half = inv_freq.shape[0]
-    t = torch.arange(start, start + count, dtype=torch.float32).unsqueeze(-1) * inv_freq.float()  # [count, half]
-    cos = torch.cat([t.cos(), t.cos()], dim=-1).mean(dim=0)
-    sin = torch.cat([t.sin(), t.sin()], dim=-1).mean(dim=0)
     rot = 2 * half
     R = torch.eye(head_dim, dtype=torch.float32)
-    block = torch.diag(cos)
     P = torch.zeros(rot, rot)
     P[half:, :half], P[:half, half:] = torch.eye(half), -torch.eye(half)
-    R[:rot, :rot] = block + sin.unsqueeze(1) * P
+    R[:rot, :rot] = torch.diag(cos) + sin.unsqueeze(1) * P
     return R
