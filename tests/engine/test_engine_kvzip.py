@@ -238,3 +238,26 @@ def test_what_kvzip_cannot_run_with_is_refused_by_name(engine_for):
         engine.generate(e, build_policy("kvzip", 10), max_new_tokens=3, prune=parse_prune_schedule("1:0.5"))
     with pytest.raises(SparseetyError, match="kvzip.*pruning"):
         engine.batch().add(e, build_policy("kvzip", 10), GenerationOptions(prune=parse_prune_schedule("1:0.5")))
+
+
+def test_the_generic_pass_keeps_what_the_fused_cpu_pass_keeps(engine_for, monkeypatch):
+    """Off the CPU the pass is SDPA plus the blockwise scores: same kept sets."""
+    import sparseety.engine.attention as attention
+
+    engine = engine_for("llama")
+    e, policy = EncodedInput(prompt_ids(70, seed=13)), build_policy("kvzip", 25, {"chunk_size": "30"})
+    fused = engine.generate(e, policy, max_new_tokens=4, tier=2)
+    monkeypatch.setattr(attention, "reconstruction_attention", lambda *args: None)
+    generic = engine.generate(e, policy, max_new_tokens=4, tier=2)
+    assert generic.kept_positions_final == fused.kept_positions_final
+    assert generic.output_ids == fused.output_ids
+
+
+def test_a_sliding_window_model_is_refused_before_it_runs(engine_for, monkeypatch):
+    engine = engine_for("llama")
+    monkeypatch.setattr(engine, "windows", (None, 8, None, 8), raising=False)
+    e = EncodedInput(prompt_ids(30, seed=4))
+    with pytest.raises(ConfigError, match="kvzip.*sliding"):
+        engine.generate(e, build_policy("kvzip", 10), max_new_tokens=2)
+    with pytest.raises(ConfigError, match="kvzip.*sliding"):
+        engine.batch().add(e, build_policy("kvzip", 10))
