@@ -68,6 +68,29 @@ def case_rng(seed: int, length: int, depth: float) -> random.Random:
     return random.Random(f"passkey:{seed}:{length}:{depth!r}")
 
 
+def take_sentences(start: int, length: int, count_tokens: Callable[[str], int] = word_count,
+                   used: int = 0) -> tuple[list[str], list[int]]:
+    """Consecutive license sentences from index ``start`` (wrapping around) and their token counts (each
+    counted with its leading space), as many as bring ``used + sum(counts)`` closest to ``length``."""
+    sentences = corpus_sentences()
+    chosen: list[str] = []
+    sizes: list[int] = []
+    total = used
+    i = start
+    while total < length:
+        sentence = sentences[i % len(sentences)]
+        size = count_tokens(" " + sentence)
+        if chosen and total + size - length > length - total:
+            break  # stopping short is closer to the target than this sentence's overshoot
+        chosen.append(sentence)
+        sizes.append(size)
+        total += size
+        i += 1
+        if len(chosen) > 10 * length:
+            raise InputError(f"cannot reach {length} tokens from the license text")
+    return chosen, sizes
+
+
 def make_case(length: int, depth: float, seed: int = 0,
               count_tokens: Callable[[str], int] = word_count) -> PasskeyCase:
     """Build one case of about ``length`` tokens with the needle at ``depth``.
@@ -88,22 +111,7 @@ def make_case(length: int, depth: float, seed: int = 0,
     passkey = str(rng.randint(10_000, 9_999_999))  # 5 to 7 digits
     needle = NEEDLE.format(passkey=passkey)
     sentences = corpus_sentences()
-    start = rng.randrange(len(sentences))
-    chosen: list[str] = []
-    sizes: list[int] = []
-    total = count_tokens(needle)
-    i = start
-    while total < length:
-        sentence = sentences[i % len(sentences)]
-        size = count_tokens(" " + sentence)
-        if chosen and total + size - length > length - total:
-            break  # stopping short is closer to the target than this sentence's overshoot
-        chosen.append(sentence)
-        sizes.append(size)
-        total += size
-        i += 1
-        if len(chosen) > 10 * length:
-            raise InputError(f"cannot reach {length} tokens from the license text")
+    chosen, sizes = take_sentences(rng.randrange(len(sentences)), length, count_tokens, count_tokens(needle))
     before = [0, *accumulate(sizes)]  # tokens before each sentence boundary
     haystack = before[-1]
     cut = min(range(len(before)), key=lambda k: (abs(before[k] - depth * haystack), k))

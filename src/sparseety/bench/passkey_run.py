@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sparseety.bench.longdoc import DENSE, answer_document, mean_by, plan_runs, run_plan
 from sparseety.bench.passkey import QUESTION, PasskeyCase, is_correct
 
 if TYPE_CHECKING:
     from sparseety.engine import SparseEngine
 
-DENSE = "dense"
+__all__ = ["DENSE", "PasskeyReport", "PasskeyResult", "answer_case", "plan_cases", "result_key", "run_passkey"]
 
 
 @dataclass(frozen=True)
@@ -55,11 +54,7 @@ class PasskeyReport:
 
 
 def _mean_by(results: Sequence[PasskeyResult], key: Callable[[PasskeyResult], str]) -> dict[str, dict[str, float]]:
-    groups: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        groups[r.policy][key(r)].append(r.correct)
-    return {p: {k: sum(v) / len(v) for k, v in sorted(g.items(), key=lambda kv: float(kv[0]))}
-            for p, g in groups.items()}
+    return mean_by(results, lambda r: r.policy, key, lambda r: r.correct)
 
 
 def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio: float, *,
@@ -70,19 +65,14 @@ def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio
     ``engine_options`` (``prune``, ``attention_topk``) apply beside every policy but the dense sanity row.
     """
     from sparseety.engine import encode_document
-    from sparseety.policies import build_policy, resolve_budget
 
     encoded = encode_document(engine.tokenizer, case.context, QUESTION, chat)
-    budget = None if policy_name == DENSE else resolve_budget(None, ratio, encoded.compress_len or 0)
-    policy = build_policy(policy_name, budget, options or {})
-    start = time.perf_counter()
-    extras = {} if policy_name == DENSE else (engine_options or {})
-    result = engine.generate(encoded, policy, max_new_tokens=max_new_tokens, tier=1, seed=seed, **extras)
-    seconds = time.perf_counter() - start
+    answer = answer_document(engine, encoded, policy_name, ratio, options=options, max_new_tokens=max_new_tokens,
+                             seed=seed, engine_options=engine_options)
     return PasskeyResult(
         policy=policy_name, ratio=float(ratio), length=case.length, depth=case.depth, passkey=case.passkey,
-        answer=result.text, correct=is_correct(case.passkey, result.text),
-        kv_cache_bytes_peak=result.kv_cache_bytes_peak, seconds=round(seconds, 4),
+        answer=answer.text, correct=is_correct(case.passkey, answer.text),
+        kv_cache_bytes_peak=answer.kv_cache_bytes_peak, seconds=answer.seconds,
     )
 
 
@@ -96,26 +86,19 @@ def run_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policies: Se
 
     ``finished`` results (of a resumed run) are kept and their cases not run again.
     """
-    report = PasskeyReport(model=model, seed=seed, cases=list(cases))
-    done = {result_key(r): r for r in finished}
-    for name, ratio, case in plan_cases(cases, policies, ratios, dense=dense):
-        key = (name, float(ratio), case.length, float(case.depth))
-        if key in done:
-            report.results.append(done[key])
-            continue
-        row = answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
-                          engine_options=engine_options)
-        report.results.append(row)
-        if on_result is not None:
-            on_result(row)
-    return report
+    results = run_plan(
+        plan_cases(cases, policies, ratios, dense=dense),
+        lambda name, ratio, case: answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat,
+                                              seed=seed, engine_options=engine_options),
+        key_of_case=lambda name, ratio, case: (name, float(ratio), case.length, float(case.depth)),
+        key_of_result=result_key, finished=finished, on_result=on_result)
+    return PasskeyReport(model=model, seed=seed, cases=list(cases), results=results)
 
 
 def plan_cases(cases: Sequence[PasskeyCase], policies: Sequence[str], ratios: Sequence[float], *,
                dense: bool = True) -> list[tuple[str, float, PasskeyCase]]:
     """Every (policy, ratio, case) a run answers, in order: dense first (when ``dense``)."""
-    plan = ([(DENSE, 0.0)] if dense else []) + [(p, float(r)) for p in policies for r in ratios]
-    return [(name, ratio, case) for name, ratio in plan for case in cases]
+    return plan_runs(cases, policies, ratios, dense=dense)
 
 
 def result_key(result: PasskeyResult) -> tuple[str, float, int, float]:

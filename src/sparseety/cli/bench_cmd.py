@@ -11,7 +11,6 @@ from rich.table import Table
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
-from sparseety.cli.bounds import MAX_LENGTH
 from sparseety.cli.lists import parse_list
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.models.registry import DEFAULT_MODEL
@@ -47,19 +46,15 @@ def passkey_cmd(
     from sparseety.bench import PasskeyReport, PasskeyResult, make_cases, run_passkey, tokenizer_counter
     from sparseety.bench.passkey_plot import plot_passkey
     from sparseety.bench.passkey_run import plan_cases
-    from sparseety.bench.resume import previous_run, write_document
-    from sparseety.cli.progress import steps
+    from sparseety.cli.bench_common import (check_policies, finished_results, parse_lengths, parse_ratios,
+                                            saving_each, write_complete)
     from sparseety.engine import SparseEngine
-    from sparseety.errors import ConfigError, InputError
+    from sparseety.errors import ConfigError
     from sparseety.models import load_model
-    from sparseety.policies import build_policy
 
-    names = parse_list(policies, "--policies", str)
-    for name in names:
-        build_policy(name, 1 << 20)  # unknown names fail before the model loads
-    ratio_list = parse_list(ratios, "--ratios", float, lambda r: 0.0 <= r < 1.0, "0 <= ratio < 1")
-    length_list = parse_list(lengths, "--lengths", int, lambda n: 50 <= n <= MAX_LENGTH,
-                                 f"50 to {MAX_LENGTH} tokens")
+    names = check_policies(policies)  # unknown names fail before the model loads
+    ratio_list = parse_ratios(ratios)
+    length_list = parse_lengths(lengths)
     depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
     if max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
@@ -69,31 +64,23 @@ def passkey_cmd(
                 "seed": seed, "max_new_tokens": max_new_tokens, "chat": chat, "prune_schedule": prune_schedule,
                 "prune_opt": list(prune_opt), "attention_topk": attention_topk}
     target = out / "passkey.json"
-    before = previous_run(target, "passkey", settings, resume=resume)  # before the model loads
-    try:
-        finished = [PasskeyResult(**row) for row in before["results"]] if before else []
-    except (TypeError, KeyError) as exc:
-        raise InputError(f"cannot resume from {target}: its results are not passkey results ({exc})") from None
+    finished = finished_results(target, "passkey", settings, PasskeyResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
     engine_options = {"prune": extras.prune_for(engine.num_layers), "attention_topk": attention_topk}
     cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
-    total = len(plan_cases(cases, names, ratio_list))
-    kept = list(finished)
 
-    with steps(total, "passkey cases", quiet=quiet, done=len(finished)) as progress:
-        def keep(row: PasskeyResult) -> None:
-            kept.append(row)
-            so_far = PasskeyReport(model=model, seed=seed, cases=cases, results=kept).to_json()
-            write_document(target, {**so_far, "complete": False, "run": settings})
-            mark = "ok" if row.correct else "miss"
-            progress.advance(f"{row.policy} ratio={row.ratio} length={row.length} depth={row.depth}: {mark} "
-                             f"{row.answer.strip()[:40]!r}")
+    def describe(row: PasskeyResult) -> str:
+        return (f"{row.policy} ratio={row.ratio} length={row.length} depth={row.depth}: "
+                f"{'ok' if row.correct else 'miss'} {row.answer.strip()[:40]!r}")
 
+    with saving_each(target, settings, total=len(plan_cases(cases, names, ratio_list)), what="passkey cases",
+                     finished=finished, describe=describe, quiet=quiet,
+                     document=lambda rows: PasskeyReport(model=model, seed=seed, cases=cases, results=rows).to_json(),
+                     ) as keep:
         report = run_passkey(engine, cases, names, ratio_list, model=model, seed=seed, max_new_tokens=max_new_tokens,
                              chat=chat, on_result=keep, engine_options=engine_options, finished=finished)
-    document = {**report.to_json(), "complete": True, "run": settings}
-    write_document(target, document)
+    document = write_complete(target, report.to_json(), settings)
     plot_passkey(document, out / "passkey.png")
     print_tables(document, Console())
     Console().print(f"wrote {target} and {out / 'passkey.png'}")
