@@ -23,6 +23,7 @@ MAX_LENGTH = 1 << 17
 BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "attention_topk": (None, MAX_TOKENS),
     "budget": (None, MAX_TOKENS),
+    "cases": (None, 10_000),
     "epochs": (1, 10_000),
     "experts_k": (None, 4096),
     "hidden": (0, 1024),

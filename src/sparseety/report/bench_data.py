@@ -1,4 +1,4 @@
-"""View data of a ``bench passkey`` or ``tune`` JSON file."""
+"""View data of a ``bench passkey``, ``bench ruler`` or ``tune`` JSON file."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def bench_view(document: dict[str, Any]) -> dict[str, Any]:
         return passkey_view(document)
     if kind == "tune":
         return tune_view(document)
-    raise RecordError(f"unknown report source kind {kind!r}: expected 'passkey' or 'tune'")
+    if kind == "ruler":
+        return ruler_view(document)
+    raise RecordError(f"unknown report source kind {kind!r}: expected 'passkey', 'ruler' or 'tune'")
 
 
 def passkey_view(document: dict[str, Any]) -> dict[str, Any]:
@@ -37,6 +39,31 @@ def passkey_view(document: dict[str, Any]) -> dict[str, Any]:
         "results": len(results) if isinstance(results, list) else 0,
         "extra": {k: v for k, v in document.items()
                   if k not in ("kind", "results", "accuracy", "by_depth") and not isinstance(v, (dict, list))},
+        "notes": [],
+    }
+
+
+def ruler_view(document: dict[str, Any]) -> dict[str, Any]:
+    """Mean recall by policy x ratio over all tasks, one such grid per task, and the KV bytes held as a
+    fraction of dense, as dense grids (None where a cell was not run)."""
+    for key in ("accuracy", "by_task", "kv_bytes"):
+        if not isinstance(document.get(key, {}), dict):
+            raise RecordError(f"ruler JSON key {key!r} must be an object")
+    kv = document.get("kv_bytes") or {}
+    dense = next(iter((kv.get("dense") or {}).values()), None)
+    kv_fraction = ({p: {r: v / dense for r, v in row.items() if isinstance(v, (int, float))}
+                    for p, row in kv.items() if isinstance(row, dict)} if dense else {})
+    results = document.get("results") or []
+    return {
+        "kind": "ruler",
+        "title": "RULER-style tasks",
+        "accuracy": _grid(document.get("accuracy") or {}),
+        "tasks": [{"name": task, "grid": _grid(table)} for task, table in (document.get("by_task") or {}).items()
+                  if isinstance(table, dict)],
+        "kv_fraction": _grid(kv_fraction),
+        "results": len(results) if isinstance(results, list) else 0,
+        "extra": {k: v for k, v in document.items()
+                  if k not in ("kind", "results", "accuracy") and not isinstance(v, (dict, list))},
         "notes": [],
     }
 

@@ -10,7 +10,7 @@ from sparseety.errors import RecordError
 from sparseety.schema import SCHEMA_VERSION
 from sparseety.store import StoredTrace, load_trace
 
-BENCH_KINDS = ("passkey", "tune")
+BENCH_KINDS = ("passkey", "ruler", "tune")
 
 
 def load_source(source: StoredTrace | str | Path, request_id: str | None = None) -> StoredTrace | dict[str, Any]:
