@@ -1,23 +1,41 @@
-"""SparSEEty's KV policies side by side with NVIDIA's kvpress presses on the same passkey cases.
+"""SparSEEty's KV policies side by side with NVIDIA's kvpress presses on the same cases and token ids.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/kvpress_compare.py [--lengths 1000,1500] [--depths 0.1,0.5,0.9]
-                                                   [--ratios 0.25,0.5,0.75] [--max-new-tokens 14]
+    .venv/bin/python benchmarks/kvpress_compare.py [--tasks passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe]
+        [--lengths 1000,1500] [--depths 0.1,0.5,0.9] [--seeds 0]            # the passkey cases
+        [--ruler-lengths 1000,2000] [--ruler-cases 1] [--ruler-seed 0]      # the RULER-style cases
+        [--ratios 0.25,0.5,0.75] [--policies all] [--max-new-tokens 14] [--threads 1]
+        [--out benchmarks/results/kvpress_compare.json] [--resume]
 
 kvpress needs ``transformers<5.3``, so it never enters SparSEEty's environment: this script creates
-``benchmarks/.kvpress-venv`` (``python -m venv``; torch 2.13.0 CPU from the local wheel, then
-``kvpress`` and ``transformers<5.3``) and runs the kvpress side there as a worker subprocess
-(``--worker CASES OUT``, which imports only torch, transformers and kvpress).
+``benchmarks/.kvpress-venv`` (``python -m venv``; torch 2.13.0 CPU from the local wheel, then ``kvpress``
+(0.5.5, the newest release, checked with ``pip index versions kvpress``) and ``transformers<5.3``) and
+runs the kvpress side there as one long-lived worker subprocess (``--worker MODEL_DIR``, which imports
+only torch, transformers and kvpress and answers one JSON job per stdin line).
 
-Both tools get the same model (the safetensors folder SparSEEty converted the default model into),
-the same token ids (context and question encoded once by ``sparseety.engine.encode_document``, cases from
-``sparseety.bench.passkey``) and the same protocol: the context prefilled under the press/policy, the
-question fed uncompressed at its true positions, then a greedy answer. Pairs:
-streaming/StreamingLLMPress, snapkv/SnapKVPress, knorm/KnormPress, tova/TOVAPress and
-h2o/ObservedAttentionPress, each with its library's default options. Per policy and ratio it prints
-accuracy, seconds per case and the KV bytes held at the end (keys and values of every layer), and
-saves ``benchmarks/results/kvpress_compare.json``.
+Both tools get the same model (the safetensors folder SparSEEty converted the default model into), the
+same token ids (each case encoded once, here: passkey cases by ``sparseety.engine.encode_document``, RULER
+cases by ``sparseety.bench.ruler.encode_case`` with RULER's answer prefix), the same protocol (the context
+prefilled under the press/policy, the question fed uncompressed at its true positions, then a greedy
+answer) and the same scoring, done here on both sides' answers (passkey: the digits appear; RULER: the
+fraction of the expected items found). Pairs, each with its library's default options:
+
+    streaming/StreamingLLMPress, snapkv/SnapKVPress, knorm/KnormPress, tova/TOVAPress,
+    h2o/ObservedAttentionPress, keydiff/KeyDiffPress, expected_attention/ExpectedAttentionPress,
+    compactor/CompactorPress, kvzip/KVzipPress
+
+and ``pyramid`` and ``learned`` on SparSEEty's side only (``learned`` with
+``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
+trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
+context (one chat-template "Repeat the previous context exactly." pass per 2,048 context tokens) and then
+*masks* the evicted pairs in attention instead of removing them, so the KV bytes it holds stay dense; the
+table reports what each cache really holds (keys and values of every layer at the end of the answer).
+
+Each (policy, ratio) runs on SparSEEty, then on kvpress, before the next (interleaved), so load on this
+shared machine falls on both tools alike. Results are rewritten after every pair (``"complete": false``
+until the end); ``--resume`` continues an unfinished file with the same settings. One torch thread per
+side by default (DESIGN.md: two threads on two busy cores run several times slower).
 """
 
 from __future__ import annotations
@@ -27,41 +45,53 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".kvpress-venv"
 RESULTS = ROOT / "results" / "kvpress_compare.json"
+LEARNED_FILE = ROOT / "results" / "learned_policy" / "policy.safetensors"
 PAIRS = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress", "tova": "TOVAPress",
-         "h2o": "ObservedAttentionPress"}
+         "h2o": "ObservedAttentionPress", "keydiff": "KeyDiffPress", "expected_attention": "ExpectedAttentionPress",
+         "compactor": "CompactorPress", "kvzip": "KVzipPress"}
+OURS_ONLY = ("pyramid", "learned")
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+#: query-agnostic methods: they score the context without the question (all here are, under this protocol,
+#: since the question is never seen while compressing); kept for the target's wording
+EAGER_PRESSES = {"ObservedAttentionPress"}  # needs attention weights: eager attention on the kvpress side
 
 
 # -- kvpress side (runs inside benchmarks/.kvpress-venv) ---------------------------------------------------
 
-def worker(cases_path: str, out_path: str) -> None:
-    """Answer every case under each press at each ratio (and with no press), greedy, kvpress's protocol."""
+def worker(model_dir: str, threads: int) -> None:
+    """Answer jobs from stdin, one JSON line each: ``{"press", "ratio", "cases": [{"context_ids",
+    "question_ids", "max_new_tokens"}]}``; reply one JSON line per job on stdout with the answers."""
     import torch
     import kvpress
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging as hf_logging
 
+    torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    spec = json.loads(Path(cases_path).read_text())
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    impls = {"eager" if theirs == "ObservedAttentionPress" else "sdpa" for _, theirs, _ in spec["plan"]}
-    models = {impl: AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
-                                                         attn_implementation=impl).eval()
-              for impl in impls}
-    eos = next(iter(models.values())).generation_config.eos_token_id
-    stop = set(eos if isinstance(eos, list) else [eos])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    models: dict[str, object] = {}
 
-    def answer(model, press, context_ids, question_ids):
+    def model_for(press_name):
+        impl = "eager" if press_name in EAGER_PRESSES else "sdpa"
+        if impl not in models:
+            models[impl] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                attn_implementation=impl).eval()
+        return models[impl]
+
+    def answer(model, press, context_ids, question_ids, max_new_tokens):
+        eos = model.generation_config.eos_token_id
+        stop = set(eos if isinstance(eos, list) else [eos])
         cache = DynamicCache()
         context = torch.tensor([context_ids])
         question = torch.tensor([question_ids])
+        torch.manual_seed(0)  # CompactorPress draws a random sketch
         start = time.perf_counter()
         with torch.inference_mode():
             with press(model) if press is not None else _nullcontext():
@@ -71,29 +101,33 @@ def worker(cases_path: str, out_path: str) -> None:
             out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
             position_ids = position_ids[:, -1:] + 1
             generated = [out.logits[0, -1].argmax()]
-            for i in range(spec["max_new_tokens"] - 1):
+            for i in range(max_new_tokens - 1):
                 if generated[-1].item() in stop:
                     break
                 out = model(input_ids=generated[-1].view(1, 1), past_key_values=cache, position_ids=position_ids + i)
                 generated.append(out.logits[0, -1].argmax())
         seconds = time.perf_counter() - start
         held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        for layer in getattr(model.model, "layers", []):  # KVzipPress leaves its mask on the modules
+            if hasattr(layer.self_attn, "masked_key_indices"):
+                layer.self_attn.masked_key_indices = None
         text = tokenizer.decode(torch.stack(generated), skip_special_tokens=True)
-        return text, seconds, held
+        return {"answer": text, "seconds": seconds, "kv_bytes": held}
 
-    rows = []
-    for ours, theirs, ratio in spec["plan"]:
-        press = None if theirs is None else getattr(kvpress, theirs)(compression_ratio=ratio)
-        model = models["eager" if theirs == "ObservedAttentionPress" else "sdpa"]
-        for case in spec["cases"]:
-            text, seconds, held = answer(model, press, case["context_ids"], case["question_ids"])
-            rows.append({"policy": ours, "press": theirs, "ratio": ratio, "length": case["length"],
-                         "depth": case["depth"], "answer": text, "correct": _correct(case["passkey"], text),
-                         "seconds": seconds, "kv_bytes": held})
-            print(f"kvpress {theirs or 'none'} ratio={ratio} depth={case['depth']} length={case['length']}: "
-                  f"{'ok' if rows[-1]['correct'] else 'miss'} {text.strip()[:40]!r}", file=sys.stderr, flush=True)
-    Path(out_path).write_text(json.dumps({"kvpress_version": _version("kvpress"),
-                                          "transformers_version": _version("transformers"), "rows": rows}))
+    print(json.dumps({"ready": True, "kvpress_version": _version("kvpress"),
+                      "transformers_version": _version("transformers"), "torch_version": _version("torch")}),
+          flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        name = job["press"]
+        press = None if name is None else getattr(kvpress, name)(compression_ratio=job["ratio"])
+        model = model_for(name)
+        rows = []
+        for case in job["cases"]:
+            rows.append(answer(model, press, case["context_ids"], case["question_ids"], case["max_new_tokens"]))
+            print(f"kvpress {name or 'none'} ratio={job['ratio']} {case['label']}: {rows[-1]['answer'].strip()[:40]!r}",
+                  file=sys.stderr, flush=True)
+        print(json.dumps({"rows": rows}), flush=True)
 
 
 class _nullcontext:
@@ -108,13 +142,6 @@ def _version(name: str) -> str:
     from importlib.metadata import version
 
     return version(name)
-
-
-def _correct(passkey: str, answer: str) -> bool:
-    """Same rule as ``sparseety.bench.passkey.is_correct`` (this side cannot import SparSEEty)."""
-    import re
-
-    return passkey in re.sub(r"(?<=\d)[,\s](?=\d)", "", answer)
 
 
 # -- SparSEEty side and the table (runs in SparSEEty's .venv) ---------------------------------------------
@@ -134,117 +161,287 @@ def ensure_venv() -> Path:
     return python
 
 
-def sparseety_side(engine, cases, encoded, name, ratio, max_new_tokens):
-    """The cases through SparSEEty's engine (long-document protocol) with policy ``name`` at ``ratio``."""
-    from sparseety.bench.passkey import is_correct
-    from sparseety.policies import build_policy, resolve_budget
+class KvpressWorker:
+    """The kvpress side as one subprocess: jobs go in on stdin, answers come back on stdout."""
 
+    def __init__(self, python: Path, model_dir: str, threads: int) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["OMP_NUM_THREADS"] = str(threads)
+        self.proc = subprocess.Popen([str(python), __file__, "--worker", model_dir, "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the kvpress worker exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, press: str | None, ratio: float, cases: list[dict]) -> list[dict]:
+        self.proc.stdin.write(json.dumps({"press": press, "ratio": ratio, "cases": cases}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["rows"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def build_cases(args, tokenizer) -> list[dict]:
+    """Every case of the run, encoded once: ``{"task", "length", "depth" | "index", "seed", "expected",
+    "context_ids", "question_ids", "max_new_tokens", "label"}``."""
+    from sparseety.bench.passkey import QUESTION, make_cases, tokenizer_counter
+    from sparseety.bench.ruler import encode_case, make_ruler_cases
+    from sparseety.engine import encode_document
+
+    count = tokenizer_counter(tokenizer)
+    tasks = [t for t in args.tasks.split(",") if t]
+    out = []
+    if "passkey" in tasks:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for c in make_cases([int(x) for x in args.lengths.split(",")], [float(x) for x in args.depths.split(",")],
+                                seed, count):
+                e = encode_document(tokenizer, c.context, QUESTION, None)
+                out.append({"task": "passkey", "length": c.length, "depth": c.depth, "seed": seed,
+                            "expected": [c.passkey], "max_new_tokens": args.max_new_tokens,
+                            "context_ids": e.input_ids[0, : e.compress_len].tolist(),
+                            "question_ids": e.input_ids[0, e.compress_len:].tolist(),
+                            "label": f"passkey length={c.length} depth={c.depth} seed={seed}"})
+    ruler = [t for t in tasks if t != "passkey"]
+    unknown = sorted(set(ruler) - set(RULER_TASKS))
+    if unknown:
+        raise SystemExit(f"error: --tasks: unknown task(s) {', '.join(unknown)}; valid: passkey, {', '.join(RULER_TASKS)}")
+    for c in make_ruler_cases(ruler, [int(x) for x in args.ruler_lengths.split(",")], args.ruler_cases,
+                              args.ruler_seed, count):
+        e = encode_case(tokenizer, c, None)
+        out.append({"task": c.task, "length": c.length, "index": c.index, "seed": c.seed, "depth": c.depth,
+                    "expected": list(c.expected), "max_new_tokens": c.max_new_tokens,
+                    "context_ids": e.input_ids[0, : e.compress_len].tolist(),
+                    "question_ids": e.input_ids[0, e.compress_len:].tolist(),
+                    "label": f"{c.task} length={c.length} case={c.index}"})
+    return out
+
+
+def score_case(case: dict, answer: str) -> float:
+    """Passkey: 1.0 when the digits appear (``is_correct``); RULER: the fraction of expected items found."""
+    from sparseety.bench.passkey import is_correct
+    from sparseety.bench.ruler import score
+
+    if case["task"] == "passkey":
+        return float(is_correct(case["expected"][0], answer))
+    return score(case["expected"], answer)
+
+
+def row_of(case: dict, policy: str, ratio: float, answer: str, seconds: float, kv_bytes: int) -> dict:
+    keys = {k: case[k] for k in ("task", "length", "depth", "index", "seed") if k in case}
+    return {"policy": policy, "ratio": ratio, **keys, "answer": answer, "score": score_case(case, answer),
+            "seconds": round(seconds, 3), "kv_bytes": int(kv_bytes)}
+
+
+def sparseety_side(engine, cases, name, ratio, options, threads):
+    """The cases through SparSEEty's engine (long-document protocol) with policy ``name`` at ``ratio``."""
+    import torch
+
+    from sparseety.bench.longdoc import answer_document
+    from sparseety.engine import EncodedInput
+
+    torch.set_num_threads(threads)
     rows = []
-    for case, enc in zip(cases, encoded):
-        budget = None if name == "dense" else resolve_budget(None, ratio, enc.compress_len)
-        start = time.perf_counter()
-        result = engine.generate(enc, build_policy(name, budget), max_new_tokens=max_new_tokens, tier=0)
-        seconds = time.perf_counter() - start
-        rows.append({"policy": name, "ratio": ratio, "length": case.length, "depth": case.depth,
-                     "answer": result.text, "correct": is_correct(case.passkey, result.text),
-                     "seconds": seconds, "kv_bytes": result.kv_cache_bytes_peak})
-        print(f"sparseety {name} ratio={ratio} depth={case.depth} length={case.length}: "
-              f"{'ok' if rows[-1]['correct'] else 'miss'} {result.text.strip()[:40]!r}", file=sys.stderr, flush=True)
+    for case in cases:
+        ids = torch.tensor([case["context_ids"] + case["question_ids"]], dtype=torch.long)
+        encoded = EncodedInput(ids, compress_len=len(case["context_ids"]))
+        got = answer_document(engine, encoded, name, ratio, options=options, max_new_tokens=case["max_new_tokens"])
+        rows.append(row_of(case, name, ratio, got.text, got.seconds, got.kv_cache_bytes_peak))
+        print(f"sparseety {name} ratio={ratio} {case['label']}: {rows[-1]['score']:.0%} {got.text.strip()[:40]!r}",
+              file=sys.stderr, flush=True)
     return rows
 
 
 def summarize(rows):
-    """``{(policy, ratio): (accuracy, mean seconds, mean kv bytes)}``."""
+    """``{(task, policy, ratio): (mean score, mean seconds, mean kv bytes, n)}``."""
     groups = {}
     for r in rows:
-        groups.setdefault((r["policy"], r["ratio"]), []).append(r)
-    return {k: (sum(r["correct"] for r in v) / len(v), sum(r["seconds"] for r in v) / len(v),
-                sum(r["kv_bytes"] for r in v) / len(v)) for k, v in groups.items()}
+        groups.setdefault((r["task"], r["policy"], r["ratio"]), []).append(r)
+    return {k: (sum(r["score"] for r in v) / len(v), sum(r["seconds"] for r in v) / len(v),
+                sum(r["kv_bytes"] for r in v) / len(v), len(v)) for k, v in groups.items()}
+
+
+def tables(ours: list[dict], theirs: list[dict]) -> list[dict]:
+    """One row per (task, policy, ratio): both tools' accuracy, seconds per case and KV bytes."""
+    a, b = summarize(ours), summarize(theirs)
+    table = []
+    for key in a:
+        task, policy, ratio = key
+        dense_a = a.get((task, "dense", 0.0), (0, 0, 0))[2] or 1
+        dense_b = b.get((task, "dense", 0.0), (0, 0, 0))[2] or 1
+        acc_a, sec_a, kv_a, n = a[key]
+        row = {"task": task, "policy": policy, "press": PAIRS.get(policy), "ratio": ratio, "cases": n,
+               "accuracy_sparseety": round(acc_a, 4), "seconds_per_case_sparseety": round(sec_a, 3),
+               "kv_bytes_sparseety": int(kv_a), "kv_fraction_of_dense_sparseety": round(kv_a / dense_a, 4)}
+        if key in b:
+            acc_b, sec_b, kv_b, _ = b[key]
+            row.update({"accuracy_kvpress": round(acc_b, 4), "seconds_per_case_kvpress": round(sec_b, 3),
+                        "kv_bytes_kvpress": int(kv_b), "kv_fraction_of_dense_kvpress": round(kv_b / dense_b, 4)})
+        table.append(row)
+    return table
+
+
+def targets(table: list[dict]) -> dict:
+    """Issue 15's quality targets at ratio 0.5, per task: the best SparSEEty policy (dense excluded) keeps >=
+    90% of dense and is >= the best kvpress press; every paired policy is >= its press."""
+    out = {}
+    for task in dict.fromkeys(r["task"] for r in table):
+        rows = [r for r in table if r["task"] == task]
+        dense = next((r["accuracy_sparseety"] for r in rows if r["policy"] == "dense"), None)
+        half = [r for r in rows if r["ratio"] == 0.5 and r["policy"] != "dense"]
+        if not half or dense is None:
+            continue
+        best = max(half, key=lambda r: r["accuracy_sparseety"])
+        presses = [r for r in half if "accuracy_kvpress" in r]
+        best_press = max(presses, key=lambda r: r["accuracy_kvpress"]) if presses else None
+        out[task] = {
+            "dense": dense, "best_sparseety": best["policy"], "best_sparseety_accuracy": best["accuracy_sparseety"],
+            "keeps_90pct_of_dense": best["accuracy_sparseety"] >= 0.9 * dense,
+            "best_kvpress": best_press["press"] if best_press else None,
+            "best_kvpress_accuracy": best_press["accuracy_kvpress"] if best_press else None,
+            "best_sparseety_ge_best_kvpress": (best["accuracy_sparseety"] >= best_press["accuracy_kvpress"]
+                                               if best_press else None),
+            "pairs_ge_kvpress": {r["policy"]: r["accuracy_sparseety"] >= r["accuracy_kvpress"] for r in presses},
+        }
+    return out
+
+
+def print_table(table: list[dict]) -> None:
+    header = (f"{'task':<15} {'policy':<18} {'ratio':>5} | {'acc ours':>8} {'acc kvp':>7} | "
+              f"{'s/case ours':>11} {'s/case kvp':>10} | {'KV MiB ours':>11} {'KV MiB kvp':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in table:
+        theirs = r.get("accuracy_kvpress")
+        print(f"{r['task']:<15} {r['policy']:<18} {r['ratio']:>5} | {r['accuracy_sparseety']:>8.0%} "
+              f"{'-' if theirs is None else f'{theirs:.0%}':>7} | {r['seconds_per_case_sparseety']:>11.2f} "
+              f"{r.get('seconds_per_case_kvpress', float('nan')):>10.2f} | {r['kv_bytes_sparseety'] / 2**20:>11.2f} "
+              f"{r.get('kv_bytes_kvpress', float('nan')) / 2**20:>10.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--tasks", default="passkey")
     parser.add_argument("--lengths", default="1000,1500")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--ruler-lengths", default="1000,2000")
+    parser.add_argument("--ruler-cases", type=int, default=1)
+    parser.add_argument("--ruler-seed", type=int, default=0)
     parser.add_argument("--ratios", default="0.25,0.5,0.75")
-    parser.add_argument("--max-new-tokens", type=int, default=14)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="all",
+                        help="comma-separated SparSEEty policies (dense always runs); 'all': every pair plus "
+                             + ", ".join(OURS_ONLY))
+    parser.add_argument("--max-new-tokens", type=int, default=14, help="passkey answers (RULER: each task's own)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker)
+        worker(args.worker, args.threads)
         return
 
-    from sparseety.bench.passkey import QUESTION, make_cases, tokenizer_counter
-    from sparseety.engine import SparseEngine, encode_document
+    import torch
+
+    from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model
     from sparseety.models.registry import resolve_model_dir
+    from sparseety.policies import list_policies
+
+    torch.set_num_threads(args.threads)
+    ratios = [float(x) for x in args.ratios.split(",")]
+    registered = {cls.name for cls in list_policies()}
+    wanted = [*PAIRS, *OURS_ONLY] if args.policies == "all" else [p for p in args.policies.split(",") if p]
+    policies, skipped = [], {}
+    for name in wanted:
+        if name not in registered:
+            skipped[name] = "not registered in this SparSEEty"
+        elif name == "learned" and not LEARNED_FILE.is_file():
+            skipped[name] = f"{LEARNED_FILE.relative_to(ROOT.parent)} is missing (run benchmarks/learned_policy.py)"
+        elif name != "dense":
+            policies.append(name)
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}", file=sys.stderr)
+    options = {"learned": {"model": str(LEARNED_FILE)}}
+
+    model, tokenizer = load_model(DEFAULT_MODEL)
+    cases = build_cases(args, tokenizer)
+    settings = {"tasks": args.tasks, "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
+                "ruler_lengths": args.ruler_lengths, "ruler_cases": args.ruler_cases, "ruler_seed": args.ruler_seed,
+                "ratios": ratios, "policies": policies, "max_new_tokens": args.max_new_tokens}
+    ours, theirs, done = [], [], set()
+    if args.resume and args.out.is_file():
+        before = json.loads(args.out.read_text())
+        if before.get("complete") is False and before.get("settings") == settings:
+            ours, theirs = before["rows"]["sparseety"], before["rows"]["kvpress"]
+            done = {(r["policy"], r["ratio"]) for r in ours}
+            print(f"resuming {args.out}: {len(done)} (policy, ratio) entries done", file=sys.stderr)
+        else:
+            raise SystemExit(f"error: cannot resume {args.out}: finished, or run with other settings")
 
     kv_python = ensure_venv()
-    ratios = [float(x) for x in args.ratios.split(",")]
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    cases = make_cases([int(x) for x in args.lengths.split(",")], [float(x) for x in args.depths.split(",")],
-                       args.seed, tokenizer_counter(tokenizer))
-    encoded = [encode_document(tokenizer, c.context, QUESTION, None) for c in cases]
-    spec = {"model_dir": resolve_model_dir(DEFAULT_MODEL), "max_new_tokens": args.max_new_tokens, "ratios": ratios,
-            "pairs": PAIRS,
-            "cases": [{"length": c.length, "depth": c.depth, "passkey": c.passkey,
-                       "context_ids": e.input_ids[0, : e.compress_len].tolist(),
-                       "question_ids": e.input_ids[0, e.compress_len:].tolist()} for c, e in zip(cases, encoded)]}
-
-    # Interleaved: each (policy, ratio) runs on SparSEEty, then on kvpress, so load on this shared
-    # machine falls on both tools alike.
     engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ours, kv_rows, kv = [], [], {}
+    start_worker = time.perf_counter()
+    kvp = KvpressWorker(kv_python, resolve_model_dir(DEFAULT_MODEL), args.threads)
+    worker_start_s = time.perf_counter() - start_worker
+    wire = [{k: c[k] for k in ("context_ids", "question_ids", "max_new_tokens", "label")} for c in cases]
+    plan = [("dense", 0.0)] + [(p, r) for r in ratios for p in policies]  # ratio-major: the first ratio complete first
     ours_s = theirs_s = 0.0
-    plan = [("dense", None, 0.0)] + [(p, PAIRS[p], r) for p in PAIRS for r in ratios]
-    with tempfile.TemporaryDirectory() as tmp:
-        cases_path, out_path = Path(tmp) / "cases.json", Path(tmp) / "out.json"
-        for entry in plan:
-            start = time.perf_counter()
-            ours += sparseety_side(engine, cases, encoded, entry[0], entry[2], args.max_new_tokens)
-            ours_s += time.perf_counter() - start
-            cases_path.write_text(json.dumps({**spec, "plan": [entry]}))
-            start = time.perf_counter()
-            subprocess.run([str(kv_python), __file__, "--worker", str(cases_path), str(out_path)], check=True, env=env)
-            theirs_s += time.perf_counter() - start
-            kv = json.loads(out_path.read_text())
-            kv_rows += kv["rows"]
-    kv["rows"] = kv_rows
+    wall = time.perf_counter()
 
-    a, b = summarize(ours), summarize(kv["rows"])
-    dense_a, dense_b = a[("dense", 0.0)][2], b[("dense", 0.0)][2]
-    header = (f"{'policy':<10} {'ratio':>5} | {'acc sparseety':>13} {'acc kvpress':>11} | "
-              f"{'s/case ours':>11} {'s/case kvp':>10} | {'KV MiB ours':>11} {'KV MiB kvp':>10} | "
-              f"{'KV/dense ours':>13} {'KV/dense kvp':>12}")
-    print(header)
-    print("-" * len(header))
-    table = []
-    for key in a:
-        (acc_a, sec_a, kv_a), (acc_b, sec_b, kv_b) = a[key], b[key]
-        table.append({"policy": key[0], "press": PAIRS.get(key[0]), "ratio": key[1],
-                      "accuracy_sparseety": acc_a, "accuracy_kvpress": acc_b,
-                      "seconds_per_case_sparseety": round(sec_a, 3), "seconds_per_case_kvpress": round(sec_b, 3),
-                      "kv_bytes_sparseety": int(kv_a), "kv_bytes_kvpress": int(kv_b),
-                      "kv_fraction_of_dense_sparseety": round(kv_a / dense_a, 4),
-                      "kv_fraction_of_dense_kvpress": round(kv_b / dense_b, 4)})
-        print(f"{key[0]:<10} {key[1]:>5} | {acc_a:>13.0%} {acc_b:>11.0%} | {sec_a:>11.2f} {sec_b:>10.2f} | "
-              f"{kv_a / 2**20:>11.2f} {kv_b / 2**20:>10.2f} | {kv_a / dense_a:>13.3f} {kv_b / dense_b:>12.3f}")
-    at_half = {r["policy"]: r["accuracy_sparseety"] >= r["accuracy_kvpress"] for r in table if r["ratio"] == 0.5}
-    print(f"target: SparSEEty accuracy >= kvpress at ratio 0.5 for every pair: "
-          f"{'met' if all(at_half.values()) else 'missed by ' + ', '.join(k for k, v in at_half.items() if not v)}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "command": "python benchmarks/kvpress_compare.py " + " ".join(sys.argv[1:]),
-        "model": DEFAULT_MODEL, "kvpress_version": kv["kvpress_version"],
-        "kvpress_transformers_version": kv["transformers_version"], "max_new_tokens": args.max_new_tokens,
-        "cases": [{"length": c.length, "depth": c.depth, "passkey": c.passkey, "context_tokens": e.compress_len}
-                  for c, e in zip(cases, encoded)],
-        "wall_seconds": {"sparseety": round(ours_s, 1), "kvpress_including_worker_start": round(theirs_s, 1)},
-        "target_at_ratio_0.5": at_half, "table": table, "rows": {"sparseety": ours, "kvpress": kv["rows"]},
-    }, indent=1))
-    print(f"saved {RESULTS}")
+    def save(complete: bool) -> dict:
+        table = tables(ours, theirs)
+        document = {
+            "command": "python benchmarks/kvpress_compare.py " + " ".join(sys.argv[1:]),
+            "complete": complete, "settings": settings, "model": DEFAULT_MODEL,
+            "kvpress_version": kvp.info["kvpress_version"],
+            "kvpress_transformers_version": kvp.info["transformers_version"], "threads": args.threads,
+            "skipped": skipped, "pairs": PAIRS, "load_average_end": list(os.getloadavg()),
+            "cases": [{k: v for k, v in c.items() if k not in ("context_ids", "question_ids", "label")}
+                      | {"context_tokens": len(c["context_ids"])} for c in cases],
+            "wall_seconds": {"sparseety": round(ours_s, 1), "kvpress": round(theirs_s, 1),
+                             "kvpress_worker_start": round(worker_start_s, 1),
+                             "total": round(time.perf_counter() - wall, 1)},
+            "targets_at_ratio_0.5": targets(table), "table": table, "rows": {"sparseety": ours, "kvpress": theirs},
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_name(f".{args.out.name}.tmp")
+        tmp.write_text(json.dumps(document, indent=1))
+        os.replace(tmp, args.out)
+        return document
+
+    try:
+        for name, ratio in plan:
+            if (name, ratio) in done:
+                continue
+            t0 = time.perf_counter()
+            ours += sparseety_side(engine, cases, name, ratio, options.get(name), args.threads)
+            ours_s += time.perf_counter() - t0
+            press = None if name == "dense" else PAIRS.get(name)
+            if name == "dense" or press is not None:
+                t0 = time.perf_counter()
+                got = kvp.run(press, ratio, wire)
+                theirs_s += time.perf_counter() - t0
+                theirs += [row_of(c, name, ratio, g["answer"], g["seconds"], g["kv_bytes"]) for c, g in zip(cases, got)]
+            save(complete=False)
+    finally:
+        kvp.close()
+    document = save(complete=True)
+    print_table(document["table"])
+    for task, t in document["targets_at_ratio_0.5"].items():
+        print(f"{task}: best SparSEEty {t['best_sparseety']} {t['best_sparseety_accuracy']:.0%} "
+              f"(dense {t['dense']:.0%}, >= 90%: {t['keeps_90pct_of_dense']}), best kvpress {t['best_kvpress']} "
+              f"{t['best_kvpress_accuracy'] if t['best_kvpress_accuracy'] is None else format(t['best_kvpress_accuracy'], '.0%')}"
+              f" (>=: {t['best_sparseety_ge_best_kvpress']}); pairs >= kvpress: "
+              f"{', '.join(k for k, v in t['pairs_ge_kvpress'].items() if v) or 'none'}; below: "
+              f"{', '.join(k for k, v in t['pairs_ge_kvpress'].items() if not v) or 'none'}")
+    print(f"saved {args.out} ({document['wall_seconds']})")
 
 
 if __name__ == "__main__":
