@@ -56,28 +56,34 @@ def leverage_scores(pre_keys: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
 
 
 def non_causal_chunked_attention(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``[b, h, s]`` attention each key gets from the queries of its own ``chunk``-row tile, both ways.
+    """``[b, heads, s]`` attention each key gets from the queries of its own ``chunk``-row tile, both ways.
 
-    q, k ``[b, h, s, d]`` (post-RoPE, keys repeated to the query heads). Exactly kvpress's
-    ``non_causal_chunked_attn``, padding included: the last tile is zero-padded to ``chunk`` rows,
-    padded query rows get logit 0 on real keys and padded key columns ``-1e-9`` (not ``-inf``), and
-    the logits are not scaled by ``1/sqrt(d)``.
+    q ``[b, heads, s, d]``, k ``[b, kv_heads, s, d]`` (post-RoPE; each KV head serves its group's query
+    heads, one GEMM per tile without repeating the keys). Exactly kvpress's ``non_causal_chunked_attn``
+    (on ``repeat_kv`` keys), padding included: the last tile is zero-padded to ``chunk`` rows, padded
+    query rows get logit 0 on real keys and padded key columns ``-1e-9`` (not ``-inf``), and the
+    logits are not scaled by ``1/sqrt(d)``.
     """
-    b, h, s, d = k.shape
+    b, h, s, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
     s_pad = math.ceil(s / chunk) * chunk
     pad = s_pad - s
     if pad > 0:
         q = torch.cat([q, q.new_zeros(b, h, pad, d)], dim=2)
-        k = torch.cat([k, k.new_zeros(b, h, pad, d)], dim=2)
+        k = torch.cat([k, k.new_zeros(b, kvh, pad, d)], dim=2)
         last = (s // chunk) * chunk
     else:
         last = ((s - 1) // chunk) * chunk
-    invalid = (torch.arange(last, s_pad) >= s).view(1, 1, chunk).expand(b, h, chunk)
+    invalid = torch.arange(last, s_pad) >= s  # [chunk] rows / columns of the last tile that are padding
     tiles = s_pad // chunk
-    dots = q.view(b, h, tiles, chunk, d) @ k.view(b, h, tiles, chunk, d).transpose(-2, -1)
-    dots[:, :, -1].masked_fill_(invalid.unsqueeze(-1), 0)
-    dots[:, :, -1].masked_fill_(invalid.unsqueeze(-2), -1e-9)
-    return torch.softmax(dots.float(), dim=-1).sum(dim=-2).reshape(b, h, s_pad)[..., :s]
+    q_tiles = q.view(b, kvh, g, tiles, chunk, d).transpose(2, 3).reshape(b, kvh, tiles, g * chunk, d)
+    k_tiles = k.view(b, kvh, tiles, chunk, d)
+    dots = (q_tiles @ k_tiles.transpose(-2, -1)).view(b, kvh, tiles, g, chunk, chunk)
+    dots[:, :, -1].masked_fill_(invalid.view(chunk, 1), 0)
+    dots[:, :, -1].masked_fill_(invalid.view(1, chunk), -1e-9)
+    col = torch.softmax(dots.float(), dim=-1).sum(dim=-2)  # [b, kvh, tiles, g, chunk]
+    return col.transpose(2, 3).reshape(b, h, s_pad)[..., :s]
 
 
 def compactor_scores(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor,
@@ -92,7 +98,7 @@ def compactor_scores(keys: torch.Tensor, values: torch.Tensor, queries: torch.Te
     pre_keys = k if rotary is None else unrotate(k, positions, rotary)
     lev = _znorm(leverage_scores(pre_keys, phi))
     g = queries.shape[1] // kvh
-    attn = non_causal_chunked_attention(queries.float(), k.repeat_interleave(g, dim=1), chunk)
+    attn = non_causal_chunked_attention(queries.float(), k, chunk)
     attn = attn.view(b, kvh, g, s).mean(dim=2) * values.float().norm(dim=-1)
     attn = F.avg_pool1d(attn, kernel_size=3, padding=1, stride=1)
     return blending * lev + _znorm(attn)
