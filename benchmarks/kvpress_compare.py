@@ -338,6 +338,9 @@ def main() -> None:
     parser.add_argument("--policies", default="all",
                         help="comma-separated SparSEEty policies (dense always runs); 'all': every pair plus "
                              + ", ".join(OURS_ONLY))
+    parser.add_argument("--kvpress-for", default="all",
+                        help="comma-separated policies whose kvpress press also runs ('all': every pair); the others "
+                             "run on SparSEEty's side only, to save time where the tools are known to agree")
     parser.add_argument("--max-new-tokens", type=int, default=14, help="passkey answers (RULER: each task's own)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -369,12 +372,14 @@ def main() -> None:
     for name, why in skipped.items():
         print(f"skipping {name}: {why}", file=sys.stderr)
     options = {"learned": {"model": str(LEARNED_FILE)}}
+    kvpress_for = set(args.kvpress_for.split(","))
 
     model, tokenizer = load_model(DEFAULT_MODEL)
     cases = build_cases(args, tokenizer)
     settings = {"tasks": args.tasks, "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
                 "ruler_lengths": args.ruler_lengths, "ruler_cases": args.ruler_cases, "ruler_seed": args.ruler_seed,
-                "ratios": ratios, "policies": policies, "max_new_tokens": args.max_new_tokens}
+                "ratios": ratios, "policies": policies, "max_new_tokens": args.max_new_tokens,
+                "kvpress_for": args.kvpress_for}
     ours, theirs, done = [], [], set()
     if args.resume and args.out.is_file():
         before = json.loads(args.out.read_text())
@@ -424,7 +429,7 @@ def main() -> None:
             ours += sparseety_side(engine, cases, name, ratio, options.get(name), args.threads)
             ours_s += time.perf_counter() - t0
             press = None if name == "dense" else PAIRS.get(name)
-            if name == "dense" or press is not None:
+            if name == "dense" or (press is not None and (args.kvpress_for == "all" or name in kvpress_for)):
                 t0 = time.perf_counter()
                 got = kvp.run(press, ratio, wire)
                 theirs_s += time.perf_counter() - t0
