@@ -324,9 +324,57 @@ def print_table(table: list[dict]) -> None:
               f"{r.get('kv_bytes_kvpress', float('nan')) / 2**20:>10.2f}")
 
 
+def markdown(document: dict) -> str:
+    """Markdown tables of a saved result: accuracy per task (``ours / kvpress`` per policy and ratio), then the
+    KV bytes held per policy and ratio (MiB, mean over the cases, ours / kvpress)."""
+    table = document["table"]
+    ratios = sorted({r["ratio"] for r in table if r["policy"] != "dense"})
+    policies = list(dict.fromkeys(r["policy"] for r in table))
+    cell = {(r["task"], r["policy"], r["ratio"]): r for r in table}
+
+    def pair(r: dict | None, key: str, fmt) -> str:
+        if r is None:
+            return "-"
+        ours, theirs = r[f"{key}_sparseety"], r.get(f"{key}_kvpress")
+        return fmt(ours) + ("" if theirs is None else " / " + fmt(theirs))
+
+    pct = lambda v: f"{v:.0%}"  # noqa: E731
+    mib = lambda v: f"{v / 2**20:.1f}"  # noqa: E731
+    out = []
+    for task in dict.fromkeys(r["task"] for r in table):
+        n = next(r["cases"] for r in table if r["task"] == task)
+        out += [f"**{task}** ({n} cases; SparSEEty / kvpress)", "",
+                "| policy (press) | " + " | ".join(f"ratio {x}" for x in [0.0, *ratios]) + " |",
+                "|---|" + "---|" * (len(ratios) + 1)]
+        for p in policies:
+            rows = [cell.get((task, p, x)) for x in [0.0, *ratios]]
+            if any(rows):
+                name = p if p == "dense" or p not in PAIRS else f"{p} ({PAIRS[p]})"
+                out.append(f"| {name} | " + " | ".join(pair(r, "accuracy", pct) for r in rows) + " |")
+        out.append("")
+    out += ["**KV bytes held** (MiB, mean over the cases of every task; SparSEEty / kvpress)", "",
+            "| policy | " + " | ".join(f"ratio {x}" for x in [0.0, *ratios]) + " |", "|---|" + "---|" * (len(ratios) + 1)]
+    for p in policies:
+        rows = []
+        for x in [0.0, *ratios]:
+            group = [r for r in table if r["policy"] == p and r["ratio"] == x]
+            if not group:
+                rows.append("-")
+                continue
+            ours = sum(r["kv_bytes_sparseety"] for r in group) / len(group)
+            theirs = [r["kv_bytes_kvpress"] for r in group if "kv_bytes_kvpress" in r]
+            rows.append(mib(ours) + (f" / {mib(sum(theirs) / len(theirs))}" if theirs else ""))
+        out.append(f"| {p} | " + " | ".join(rows) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--markdown", type=Path, nargs="+", metavar="RESULT_JSON",
+                        help="print the tables of saved results (rows of several files merged) as Markdown and exit")
+    parser.add_argument("--skip-dense", action="store_true",
+                        help="no dense rows (another run on the same cases has them; --markdown merges the files)")
     parser.add_argument("--tasks", default="passkey")
     parser.add_argument("--lengths", default="1000,1500")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
@@ -348,6 +396,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.threads)
+        return
+    if args.markdown:
+        docs = [json.loads(path.read_text()) for path in args.markdown]
+        ours = [r for d in docs for r in d["rows"]["sparseety"]]
+        theirs = [r for d in docs for r in d["rows"]["kvpress"]]
+        table = tables(ours, theirs)
+        print(markdown({"table": table}))
+        print()
+        print("targets at ratio 0.5:", json.dumps(targets(table), indent=1))
         return
 
     import torch
@@ -379,7 +436,7 @@ def main() -> None:
     settings = {"tasks": args.tasks, "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
                 "ruler_lengths": args.ruler_lengths, "ruler_cases": args.ruler_cases, "ruler_seed": args.ruler_seed,
                 "ratios": ratios, "policies": policies, "max_new_tokens": args.max_new_tokens,
-                "kvpress_for": args.kvpress_for}
+                "kvpress_for": args.kvpress_for, "skip_dense": args.skip_dense}
     ours, theirs, done = [], [], set()
     if args.resume and args.out.is_file():
         before = json.loads(args.out.read_text())
@@ -392,11 +449,17 @@ def main() -> None:
 
     kv_python = ensure_venv()
     engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
-    start_worker = time.perf_counter()
-    kvp = KvpressWorker(kv_python, resolve_model_dir(DEFAULT_MODEL), args.threads)
-    worker_start_s = time.perf_counter() - start_worker
+    kvp, worker_start_s = None, 0.0
+
+    def kvpress_worker() -> KvpressWorker:  # started at its first job (never, when no press runs)
+        nonlocal kvp, worker_start_s
+        if kvp is None:
+            t0 = time.perf_counter()
+            kvp = KvpressWorker(kv_python, resolve_model_dir(DEFAULT_MODEL), args.threads)
+            worker_start_s = time.perf_counter() - t0
+        return kvp
     wire = [{k: c[k] for k in ("context_ids", "question_ids", "max_new_tokens", "label")} for c in cases]
-    plan = [("dense", 0.0)] + [(p, r) for r in ratios for p in policies]  # ratio-major: the first ratio complete first
+    plan = ([] if args.skip_dense else [("dense", 0.0)]) + [(p, r) for r in ratios for p in policies]  # ratio-major: the first ratio complete first
     ours_s = theirs_s = 0.0
     wall = time.perf_counter()
 
@@ -405,8 +468,8 @@ def main() -> None:
         document = {
             "command": "python benchmarks/kvpress_compare.py " + " ".join(sys.argv[1:]),
             "complete": complete, "settings": settings, "model": DEFAULT_MODEL,
-            "kvpress_version": kvp.info["kvpress_version"],
-            "kvpress_transformers_version": kvp.info["transformers_version"], "threads": args.threads,
+            "kvpress_version": kvp.info["kvpress_version"] if kvp else None,
+            "kvpress_transformers_version": kvp.info["transformers_version"] if kvp else None, "threads": args.threads,
             "skipped": skipped, "pairs": PAIRS, "load_average_end": list(os.getloadavg()),
             "cases": [{k: v for k, v in c.items() if k not in ("context_ids", "question_ids", "label")}
                       | {"context_tokens": len(c["context_ids"])} for c in cases],
@@ -431,12 +494,13 @@ def main() -> None:
             press = None if name == "dense" else PAIRS.get(name)
             if name == "dense" or (press is not None and (args.kvpress_for == "all" or name in kvpress_for)):
                 t0 = time.perf_counter()
-                got = kvp.run(press, ratio, wire)
+                got = kvpress_worker().run(press, ratio, wire)
                 theirs_s += time.perf_counter() - t0
                 theirs += [row_of(c, name, ratio, g["answer"], g["seconds"], g["kv_bytes"]) for c, g in zip(cases, got)]
             save(complete=False)
     finally:
-        kvp.close()
+        if kvp is not None:
+            kvp.close()
     document = save(complete=True)
     print_table(document["table"])
     for task, t in document["targets_at_ratio_0.5"].items():
