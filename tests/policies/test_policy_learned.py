@@ -221,3 +221,19 @@ def test_no_tier3_traces_is_a_clear_error(tmp_path, trained):
                 tmp_path / "t2")
     with pytest.raises(InputError, match="no tier-3 traces"):
         read_examples(tmp_path / "t2")
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_batched_and_chunked_prefill_keep_the_same_sets_as_alone(trained, chunk):
+    """Token ids reach the policy per chunk as they do in one prefill; a batch neighbour changes nothing."""
+    from sparseety.engine.request import GenerationOptions
+
+    engine, _, path = trained
+    policy = build_policy("learned", 14, {"model": str(path)})
+    inputs = [EncodedInput(prompt_ids(40, seed=11)), EncodedInput(prompt_ids(33, seed=12))]
+    alone = [engine.generate(e, policy, max_new_tokens=6, tier=2) for e in inputs]
+    batched = engine.generate_batch(inputs, policy, GenerationOptions(max_new_tokens=6, tier=2), prefill_chunk=chunk)
+    for a, b in zip(alone, batched):
+        assert b.output_ids == a.output_ids
+        assert b.kept_positions_final == a.kept_positions_final
+        np.testing.assert_array_equal(b.arrays["evicted.position"], a.arrays["evicted.position"])

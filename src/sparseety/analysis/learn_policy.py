@@ -117,8 +117,9 @@ class _Capture(Policy):
         last = window[:, :, -1]
         x = slot_features(obs.positions, obs.keys, last, attention_share(last), obs.token_ids, self.class_table,
                           obs.layer, obs.num_layers)
-        self.out[obs.layer] = {"x": x[0].cpu(), "last": last[0].cpu(), "colsum": window.sum(dim=2)[0].cpu(),
-                               "positions": obs.positions[0].cpu()}
+        # clones: a view would keep the whole [kv_heads, C, C] window of every layer alive
+        self.out[obs.layer] = {"x": x[0].cpu().clone(), "last": last[0].cpu().clone(),
+                               "colsum": window.sum(dim=2)[0].cpu().clone()}
         return torch.zeros_like(last), None
 
 
