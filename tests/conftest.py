@@ -20,3 +20,18 @@ def smollm_engine():
 
     model, tokenizer = load_model("smollm2-135m")
     return SparseEngine(model, tokenizer, "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """``(model, tokenizer)`` of Gemma 3 270M (the second built-in model), never wrapped by an engine."""
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_engine():
+    """A :class:`SparseEngine` on its own copy of Gemma 3 270M."""
+    from sparseety.engine import SparseEngine
+
+    model, tokenizer = load_model("gemma3-270m")
+    return SparseEngine(model, tokenizer, "gemma3-270m")
