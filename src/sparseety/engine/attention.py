@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from sparseety.engine.cache import SparseLayer
 from sparseety.engine.context import LayerSignals, RunContext, active_context
 from sparseety.engine.packed import active_packed
 from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores
+from sparseety.engine.window import window_mask
 
 ATTENTION_NAME = "sparseety"
 COLSUM_BLOCK = 128
@@ -39,9 +41,15 @@ def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scaling: float, **kwargs: object) -> torch.Tensor:
-    """SDPA output ``[b, q, heads, d]`` with slot-causal masking (exactly plain SDPA when q == 1 or q == n)."""
+                     scaling: float, hidden: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+    """SDPA output ``[b, q, heads, d]`` with slot-causal masking (exactly plain SDPA when q == 1 or q == n).
+
+    ``hidden`` (``[b, 1 or heads, q, n]`` bool, a sliding window's) replaces the causal rule: it is
+    the mask transformers would build, so the call is the one plain generation makes.
+    """
     q, n = query.shape[2], key.shape[2]
+    if hidden is not None:
+        return sdpa_attention_forward(module, query, key, value, ~hidden, scaling=scaling, **kwargs)[0]
     if q == 1 or q == n:
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)[0]
     rows = torch.arange(q, device=query.device).unsqueeze(1)
@@ -52,13 +60,15 @@ def causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous()
 
 
-def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float,
+              hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Attention probabilities of the last ``r`` new query rows (the step's newest queries).
 
     Parameters
     ----------
     query_rows : ``[b, heads, r, d]``, the last ``r`` rows of the step's queries.
     key : ``[b, kv_heads, n, d]``.
+    hidden : ``[b, 1 or kv_heads, r, n]`` bool, keys these rows cannot see (a sliding window), or None.
 
     Returns
     -------
@@ -73,11 +83,13 @@ def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float) -> to
         rows = torch.arange(r, device=key.device).unsqueeze(1)
         cols = torch.arange(n, device=key.device).unsqueeze(0)
         logits = logits.masked_fill(cols > rows + (n - r), float("-inf"))
+    if hidden is not None:
+        logits = logits.masked_fill(hidden.unsqueeze(2), float("-inf"))
     return torch.softmax(logits, dim=-1).reshape(b, h, r, n)
 
 
 def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                scaling: float, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode row: output and its probabilities from a single q·K pass (no second SDPA pass).
 
     Used only where the step evicts anyway, so the output need not be bit-identical to SDPA.
@@ -90,19 +102,23 @@ def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: t
     b, h, _, d = query.shape
     kvh, n = key.shape[1], key.shape[2]
     logits = torch.matmul(query.reshape(b, kvh, h // kvh, d), key.transpose(-1, -2)) * scaling
+    if hidden is not None:  # [b, 1 or kvh, 1, n]
+        logits = logits.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [b, kvh, g, n]
     out = torch.matmul(probs, value)  # [b, kvh, g, d]
     return out.reshape(b, 1, h, d), probs.reshape(b, h, n).float()
 
 
 def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int = 1,
-                block: int = COLSUM_BLOCK, last: int | None = None) -> torch.Tensor:
+                block: int = COLSUM_BLOCK, last: int | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Attention each key receives, summed over query rows, computed ``block`` rows at a time.
 
     With ``stride > 1`` only every ``stride``-th row counting back from row ``last`` is computed and
     the sums are scaled by ``stride`` (an unbiased estimate at ``1/stride`` of the cost); ``stride=1``
     is exact. ``last`` (default: the last row) may lie beyond this forward's rows: a prefill chunk
-    then samples the rows the whole prefill would. Memory stays ``O(block * n)`` per head: the full
+    then samples the rows the whole prefill would. ``hidden`` (``[b, 1 or kv_heads, q, n]`` bool) masks
+    what a sliding window hides. Memory stays ``O(block * n)`` per head: the full
     ``[heads, q, n]`` matrix never exists.
 
     Parameters
@@ -129,12 +145,14 @@ def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: 
         logits = torch.matmul(grouped, key_t[..., :visible]).reshape(b, kvh, g, r, visible)
         cols = torch.arange(visible, device=query.device).unsqueeze(0)
         logits.masked_fill_(cols > (chunk + (n - q)).unsqueeze(1), float("-inf"))
+        if hidden is not None:  # [b, 1 or kvh, q, n]: a sliding window
+            logits.masked_fill_(hidden[:, :, chunk, :visible].unsqueeze(2), float("-inf"))
         colsum[..., :visible] += torch.softmax(logits, dim=-1).sum(dim=-2).reshape(b, h, visible)
     return colsum * stride
 
 
 def topk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                   k: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+                   k: int, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Decode (or draft-verify) rows that each attend only to their ``k`` visible keys with the largest ``q·k``.
 
     Logits are summed over the query heads of each KV group before the top-k, so a group shares one
@@ -144,7 +162,7 @@ def topk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     -------
     output : ``[b, q, heads, d]``.
     attended : ``[b, kv_heads, n]`` bool, the slots the newest row attended to.
-    skipped : visible (row, kv_head, slot) triples left out, over all rows.
+    skipped : visible (row, kv_head, slot) triples left out, over all rows (``hidden`` slots are not visible).
     probs : ``[b, heads, n]`` probabilities of the newest row, zero on skipped slots.
     """
     b, h, q, d = query.shape
@@ -152,14 +170,35 @@ def topk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     g = h // kvh
     logits = torch.matmul(query.reshape(b, kvh, g * q, d), key.transpose(-1, -2)).view(b, kvh, g, q, n) * scaling
     visible = torch.arange(n, device=key.device).unsqueeze(0) <= torch.arange(q, device=key.device).unsqueeze(1) + (n - q)
+    if hidden is not None:  # a sliding window: what it hides is not "skipped by top-k"
+        visible = visible & ~hidden
     group_score = logits.sum(dim=2).masked_fill(~visible, float("-inf"))  # [b, kvh, q, n]
     order = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[..., :k]
     selected = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, order, True) & visible
     probs = torch.softmax(logits.masked_fill(~selected.unsqueeze(2), float("-inf")), dim=-1)
     out = torch.matmul(probs, value.unsqueeze(2))  # [b, kvh, g, q, d]
-    skipped = int((visible.sum() * kvh * b) - selected.sum())
+    skipped = int(visible.expand(b, kvh, q, n).sum() - selected.sum())
     last = probs[:, :, :, -1].reshape(b, h, n).float()
     return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), selected[:, :, -1], skipped, last
+
+
+def sliding_hidden(cache_layer: SparseLayer, q: int) -> torch.Tensor | None:
+    """``[b, 1 or kv_heads, q, n]`` bool: keys a sliding layer's ``q`` newest rows cannot see, None when none is hidden.
+
+    The new rows are the last ``q`` slots. A mask is built only when some key lies outside the newest
+    row's window (so a decode step over a cache the window already trimmed runs unmasked, as plain
+    generation does); heads that hold the same positions share one mask, the shape transformers uses.
+    """
+    window, positions = cache_layer.window, cache_layer.positions
+    if window is None or positions is None:
+        return None
+    n = positions.shape[-1]
+    rows = positions[0, 0, n - q:]
+    if int(positions.amin()) > int(rows[-1]) - window:
+        return None
+    if positions.shape[1] > 1 and bool((positions == positions[:, :1]).all()):
+        positions = positions[:, :1]
+    return ~window_mask(rows, positions, window)
 
 
 def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -196,20 +235,21 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
     q, n = query.shape[2], key.shape[2]
     plan = ctx.plan(layer, q, n)
     seen = LayerSignals()
+    hidden = sliding_hidden(ctx.cache.layers[layer], q)
     if plan.topk is not None and n > plan.topk:
-        out, seen.attended, seen.skipped, seen.last_row = topk_attention(query, key, value, scaling, plan.topk)
+        out, seen.attended, seen.skipped, seen.last_row = topk_attention(query, key, value, scaling, plan.topk, hidden)
     elif q == 1 and plan.last_row and ctx.will_evict(layer, n):
-        out, seen.last_row = decode_attention_with_probs(query, key, value, scaling)
+        out, seen.last_row = decode_attention_with_probs(query, key, value, scaling, hidden)
     else:
-        out = causal_attention(module, query, key, value, scaling, **kwargs)
+        out = causal_attention(module, query, key, value, scaling, hidden, **kwargs)
         if plan.colsum_stride:
-            seen.colsum = column_sums(query, key, scaling, plan.colsum_stride, last=plan.colsum_last)
+            seen.colsum = column_sums(query, key, scaling, plan.colsum_stride, last=plan.colsum_last, hidden=hidden)
     rows = min(q, plan.window_rows)
     if rows > 0:
-        seen.window = row_probs(query[:, :, q - rows:], key, scaling)
+        seen.window = row_probs(query[:, :, q - rows:], key, scaling, None if hidden is None else hidden[:, :, q - rows:])
         seen.last_row = seen.window[:, :, -1]
     elif plan.last_row and seen.last_row is None:
-        seen.last_row = row_probs(query[:, :, q - 1:], key, scaling)[:, :, 0]
+        seen.last_row = row_probs(query[:, :, q - 1:], key, scaling, None if hidden is None else hidden[:, :, q - 1:])[:, :, 0]
     drafts = ctx.drafts_in_forward
     prune_rows = min(q - drafts, ctx.prune_rows(layer))
     if prune_rows > 0:  # token pruning after this layer: reuse the rows computed above where they suffice
@@ -218,14 +258,16 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
         elif drafts == 0 and prune_rows == 1 and seen.last_row is not None:
             probs = seen.last_row.unsqueeze(2)
         else:  # the last prompt rows, over the keys they see (drafts fed after the prompt excluded)
-            probs = row_probs(query[:, :, q - drafts - prune_rows: q - drafts], key[:, :, : n - drafts], scaling)
+            rows_hidden = None if hidden is None else hidden[:, :, q - drafts - prune_rows: q - drafts, : n - drafts]
+            probs = row_probs(query[:, :, q - drafts - prune_rows: q - drafts], key[:, :, : n - drafts], scaling,
+                              rows_hidden)
         assert ctx.prune is not None
         ctx.prune.take_scores(probs)
+    if ctx.reconstruction is not None:  # kvzip's reconstruction pass elsewhere: score the region's slots from these queries
+        seen.reconstruction = reconstruction_scores(query, key, scaling, ctx.reconstruction)
     seen.values = value
     if plan.query_rows:  # only for policies that read query rows (a view, no copy)
         seen.queries, seen.rotary = query[:, :, q - plan.query_rows:], ctx.rotary(layer, module)
-    if ctx.reconstruction is not None:  # kvzip's reconstruction pass elsewhere: score the region's slots from these queries
-        seen.reconstruction = reconstruction_scores(query, key, scaling, ctx.reconstruction)
     ctx.observe(layer, key, seen)
     return out
 

@@ -18,13 +18,14 @@ import numpy as np
 import torch
 
 from sparseety.engine.cache import SparseCache
-from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, EventLog
+from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, WINDOW, EventLog
 from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
+from sparseety.engine.window import hidden_by_window, window_edge
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
-from sparseety.policies.kvzip import ReconstructionChunk
 from sparseety.policies.rotary import inverse_frequencies
+from sparseety.policies.kvzip import ReconstructionChunk
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
 
@@ -61,11 +62,10 @@ class LayerSignals:
     colsum: torch.Tensor | None = None  #: ``[b, heads, n]`` attention received, summed over queries
     attended: torch.Tensor | None = None  #: ``[b, kv_heads, n]`` bool, slots the newest top-k row attended to
     skipped: int = 0  #: visible (row, kv_head, slot) triples a top-k step left out
-    reconstruction: torch.Tensor | None = None  #: ``[b, kv_heads, chunk]`` kvzip scores of the chunk's slots (its pass only)
-
     queries: torch.Tensor | None = None  #: ``[b, heads, w, d]`` the policy's query rows (:meth:`Policy.query_rows`)
     values: torch.Tensor | None = None  #: ``[b, kv_heads, n, d]`` the layer's cached values
     rotary: torch.Tensor | None = None  #: ``[rotary_dim // 2]`` RoPE inverse frequencies, with ``queries``
+    reconstruction: torch.Tensor | None = None  #: ``[b, kv_heads, chunk]`` kvzip scores of the chunk's slots (its pass only)
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,8 @@ class RunContext:
     evictions: EventLog = field(default_factory=lambda: EventLog(EVICTED))
     attended: EventLog = field(default_factory=lambda: EventLog(ATTENDED))  #: top-k sets (tier 2)
     skips: EventLog = field(default_factory=lambda: EventLog(SKIPPED))  #: their complements (tier 3)
+    window_edges: EventLog = field(default_factory=lambda: EventLog(WINDOW, all_heads=True))  #: sliding layers (tier 2)
+    emits: bool = False  #: this forward's newest row produces an output token
     skipped_count: int = 0
     draft_tokens: int = 0
     peak_bytes: int = 0
@@ -185,6 +187,7 @@ class RunContext:
         context_end = self.compress_len if self.compress_once and self.compress_len is not None else self.input_len
         region_end = context_end if seen < context_end else self.input_len  # the context, else the prompt
         self.partial_prefill = self.prompt_forward and seen + q_len < region_end
+        self.emits = seen + q_len >= self.input_len
         self.choosing_layer = seen < context_end <= seen + q_len
         self.prefill_rows = (seen, region_end)
         scoring = not self.compress_once or seen < context_end  # the long-document protocol compresses the context only
@@ -330,6 +333,13 @@ class RunContext:
             )
         return self._plan
 
+    def layer_budget(self, layer: int) -> int | None:
+        """The policy's budget for layer ``layer`` now; a sliding layer's only where it is below the window."""
+        cache_layer = self.cache.layers[layer]
+        budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
+        window = cache_layer.window
+        return None if budget is None or (window is not None and budget >= window) else budget
+
     def _query_rows(self, q: int) -> int:
         """This forward's query rows the policy reads: at a prefill, those among the region's last ``query_rows()``."""
         wanted = self.policy.query_rows() if self.evicting or self.carrying else 0
@@ -350,14 +360,30 @@ class RunContext:
         """True when layer ``layer`` holding ``n`` slots evicts after this step's attention."""
         if not self.evicting:
             return False
-        budget = self.policy.layer_budget(layer, self.num_layers, self.cache.layers[layer].seen)
+        budget = self.layer_budget(layer)
         return budget is not None and n > budget
 
     def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
-        """Record what layer ``layer`` attended to, then let the policy score and evict."""
+        """Record what layer ``layer`` attended to, let the policy score and evict; a sliding layer then slides."""
         if self.reconstruction is not None:
             self._observe_reconstruction(layer, seen)
             return
+        self._observe(layer, key, seen)
+        if self.cache.layers[layer].window is not None:
+            self._slide(layer)
+
+    def _slide(self, layer: int) -> None:
+        """Record the newest row's window edge (step, layer) and free what no later query can see."""
+        cache_layer = self.cache.layers[layer]
+        assert cache_layer.window is not None
+        edge = window_edge(cache_layer.seen - 1, cache_layer.window)
+        if self.emits and edge > 0 and self.tier >= 1:
+            self.skipped_count += edge * self.kv_heads
+            if self.tier >= 2:
+                self.window_edges.add(self.step, layer, torch.tensor([[edge]]), None)
+        cache_layer.expire()
+
+    def _observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         if self.prompt_forward and self.on_prefill_layer is not None:
             self.on_prefill_layer(layer, self.num_layers)
         cache_layer = self.cache.layers[layer]
@@ -389,7 +415,10 @@ class RunContext:
         cache_layer.state = state
         if not self.will_evict(layer, positions.shape[-1]):
             return
-        budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
+        budget = self.layer_budget(layer)
+        assert budget is not None
+        if cache_layer.window is not None:  # what the window hides goes first
+            scores = scores.masked_fill(hidden_by_window(positions, cache_layer.seen, cache_layer.window), float("-inf"))
         if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
             scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                              positions >= cache_layer.seen - self.drafts_in_forward)

@@ -35,6 +35,7 @@ from sparseety.engine.reconstruct import run_reconstruction
 from sparseety.engine.request import GenerationOptions
 from sparseety.engine.result import RunResult
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from sparseety.engine.window import layer_windows
 from sparseety.errors import ConfigError, InputError
 from sparseety.models.fingerprint import model_fingerprint
 from sparseety.policies.base import ModelInfo, Policy
@@ -61,6 +62,7 @@ class SparseEngine:
         self.kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.windows: tuple[int | None, ...] = layer_windows(config)  #: per layer: sliding window, None if global
         model.set_attn_implementation(ATTENTION_NAME)
         _install_hooks(model)
 
@@ -226,13 +228,14 @@ class SparseEngine:
 
         Dense (and non-evicting) policies hold every token the cache sees (prompt + ``max_new_tokens``
         - 1); an evicting policy holds at most its layer budget plus the one token a decode step
-        appends before it evicts (never more than the tokens seen).
+        appends before it evicts (never more than the tokens seen); a sliding layer at most its window.
         """
         seen = encoded.input_len + max_new_tokens - 1
         slots = 0
-        for layer in range(self.num_layers):
+        for layer, window in enumerate(self.windows):
             budget = policy.layer_budget(layer, self.num_layers, seen) if policy.evicts else None
-            slots += seen if budget is None else min(seen, budget + 1)
+            held = seen if budget is None else min(seen, budget + 1)
+            slots += held if window is None else min(held, window)  # a sliding layer never holds more than its window
         element = next(self.model.parameters()).element_size()
         return 2 * slots * self.kv_heads * self.head_dim * element
 
@@ -241,7 +244,7 @@ class SparseEngine:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``) for one request."""
         policy.bind(self.model_info)
         return RunContext(
-            policy=policy, cache=SparseCache(self.num_layers), num_layers=self.num_layers,
+            policy=policy, cache=SparseCache(self.num_layers, self.windows), num_layers=self.num_layers,
             kv_heads=self.kv_heads, tier=options.tier, input_len=encoded.input_len,
             compress_once=encoded.compress_len is not None, compress_len=encoded.compress_len, seed=options.seed,
             on_prefill_layer=on_prefill_layer,
@@ -322,7 +325,9 @@ class SparseEngine:
         if tier >= 1 and ctx.drafts:
             arrays.update(drafted)
         if tier >= 1:
-            for name, log in (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips)):
+            logs = (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips),
+                    ("window", ctx.window_edges))
+            for name, log in logs:
                 if len(log):
                     arrays.update({f"{name}.{k}": v for k, v in log.to_arrays(token_ids).items()})
             if ctx.prune is not None:

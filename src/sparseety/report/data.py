@@ -159,7 +159,7 @@ def summary(document: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
         ("Sparsity", [("policy", sparsity.get("policy")), ("params", _params(sparsity.get("params"))),
                       ("budget", sparsity.get("budget")), ("evicted positions", sparsity.get("evicted_positions")),
                       ("eviction events", sparsity.get("eviction_events")),
-                      ("skipped (top-k)", sparsity.get("skipped_events")),
+                      ("skipped (top-k, window)", sparsity.get("skipped_events")),
                       ("drafts (rejected)", f"{sparsity.get('draft_tokens', 0)} ({sparsity.get('draft_rejected', 0)})")]),
         ("Memory and time", [("KV cache peak", memory),
                              ("prefill", _seconds(timings.get("prefill_s"))),
