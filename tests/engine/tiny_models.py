@@ -5,7 +5,7 @@ identical weights. The *reference* model used for plain ``generate`` is a separa
 wrapped by :class:`SparseEngine` (which switches its model's attention implementation).
 
 Geometry: hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, 4 layers (3 for the MoE families),
-vocab 160, float32. ``eos_token_id`` is None in both config and generation config, so every run
+vocab 160, float32; ``gemma3`` has sliding-window layers 0-2 (window 8) and a global layer 3. ``eos_token_id`` is None in both config and generation config, so every run
 generates exactly ``max_new_tokens`` tokens unless a test sets an eos on purpose.
 """
 
@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -46,7 +48,12 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
         shared_expert_intermediate_size=32)),
     "mixtral": (MixtralForCausalLM, MixtralConfig, dict(num_hidden_layers=3, num_local_experts=4,
                                                         num_experts_per_tok=2)),
+    # hybrid: three sliding-window layers (window 8) then a global one, as Gemma 3 interleaves them
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
+        num_hidden_layers=4, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"])),
 }
+WINDOW = 8  #: the ``gemma3`` family's sliding window
 MOE_FAMILIES = ("qwen2_moe", "mixtral")
 
 
