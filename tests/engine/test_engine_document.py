@@ -8,6 +8,7 @@ import torch
 from tiny_models import KV_HEADS, build_tokenizer, prompt_ids
 
 from sparseety.engine import EncodedInput, encode_document
+from sparseety.engine.inputs import encode_with_answer_prefix
 from sparseety.errors import InputError
 from sparseety.policies import build_policy
 
@@ -106,3 +107,15 @@ def test_document_protocol_refuses_speculative_decoding(engine_for):
     encoded = EncodedInput(ids, compress_len=CONTEXT)
     with pytest.raises(InputError, match="long-document protocol"):
         engine_for("llama").generate(encoded, build_policy("dense"), max_new_tokens=NEW, tier=2, speculative=3)
+
+
+def test_an_answer_prefix_follows_the_question_uncompressed():
+    tok = build_tokenizer()  # no chat template: a base model's plain text
+    encoded = encode_with_answer_prefix(tok, "t10 t11 t12", "t90 t91", "t95 t96", chat=False)
+    assert encoded.input_ids[0].tolist() == [10, 11, 12, 90, 91, 95, 96]
+    assert encoded.compress_len == 3
+    tok.chat_template = ("{% for m in messages %}<bos> {{ m['content'] }} <eos>{% endfor %}"
+                         "{% if add_generation_prompt %} t150 {% endif %}")
+    chat = encode_with_answer_prefix(tok, "t10 t11", "t90", "t95", chat=None)  # the prefix starts the assistant turn
+    assert chat.input_ids[0].tolist() == [1, 10, 11, 90, 2, 150, 95]
+    assert chat.compress_len == 3

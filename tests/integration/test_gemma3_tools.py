@@ -91,3 +91,13 @@ def test_serve_answers_completions_and_refuses_chat_clearly(gemma_engine, gemma_
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert "chat template" in str(error.value)
+
+
+def test_bench_passkey_asks_a_base_model_with_an_answer_prefix(gemma_engine):
+    from sparseety.bench.passkey import make_case, tokenizer_counter
+    from sparseety.bench.passkey_run import answer_case
+
+    case = make_case(700, 0.5, seed=0, count_tokens=tokenizer_counter(gemma_engine.tokenizer))
+    result = answer_case(gemma_engine, case, "dense", 0.0, max_new_tokens=10)
+    assert result.correct, result.answer
+    assert result.answer.strip().startswith(case.passkey)  # it answers at once rather than continuing the prose

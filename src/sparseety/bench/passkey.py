@@ -21,6 +21,7 @@ from sparseety.errors import ConfigError, InputError
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
 QUESTION = "What is the pass key?"
+ANSWER_PREFIX = "Answer: The pass key is"  #: fed after the question for base models (no chat template)
 NEEDLE = "The pass key is {passkey}. Remember it."
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sparseety.bench.longdoc import DENSE, answer_document, mean_by, plan_runs, run_plan
-from sparseety.bench.passkey import QUESTION, PasskeyCase, is_correct
+from sparseety.bench.passkey import ANSWER_PREFIX, QUESTION, PasskeyCase, is_correct
 
 if TYPE_CHECKING:
     from sparseety.engine import SparseEngine
@@ -65,8 +65,12 @@ def answer_case(engine: SparseEngine, case: PasskeyCase, policy_name: str, ratio
     ``engine_options`` (``prune``, ``attention_topk``) apply beside every policy but the dense sanity row.
     """
     from sparseety.engine import encode_document
+    from sparseety.engine.inputs import encode_with_answer_prefix, use_chat
 
-    encoded = encode_document(engine.tokenizer, case.context, QUESTION, chat)
+    if use_chat(engine.tokenizer, chat):
+        encoded = encode_document(engine.tokenizer, case.context, QUESTION, chat)
+    else:  # a base model (no chat template): an answer prefix, as RULER's tasks, so it answers rather than continues
+        encoded = encode_with_answer_prefix(engine.tokenizer, case.context, QUESTION, ANSWER_PREFIX, chat)
     answer = answer_document(engine, encoded, policy_name, ratio, options=options, max_new_tokens=max_new_tokens,
                              seed=seed, engine_options=engine_options)
     return PasskeyResult(

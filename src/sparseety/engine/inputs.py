@@ -79,6 +79,20 @@ def encode_document(tokenizer: object, context: str, question: str, chat: bool |
     return EncodedInput(ids, compress_len=len(context_ids))
 
 
+def encode_with_answer_prefix(tokenizer: object, context: str, question: str, answer_prefix: str,
+                              chat: bool | None) -> EncodedInput:
+    """:func:`encode_document` with ``answer_prefix`` fed after the question, uncompressed (RULER's protocol).
+
+    With a chat template the prefix starts the assistant turn; without one (a base model) the text is
+    ``context + "\\n\\n" + question + " " + answer_prefix``, so a base model answers instead of continuing.
+    """
+    encoded = encode_document(tokenizer, context, question, chat)
+    lead = "" if use_chat(tokenizer, chat) else " "
+    prefix_ids = _ids(tokenizer, lead + answer_prefix, special=False)
+    ids = torch.cat([encoded.input_ids, torch.tensor([prefix_ids], dtype=torch.long)], dim=1)
+    return EncodedInput(ids, compress_len=encoded.compress_len)
+
+
 def encode_messages(tokenizer: object, messages: list[dict[str, str]]) -> EncodedInput:
     """Encode a chat conversation (``[{"role", "content"}, ...]``) with the tokenizer's template and the
     assistant prefix; the template supplies every special token."""
