@@ -15,6 +15,19 @@ from sparseety.policies.rotary import mean_rotate, mean_rotation, mean_rotation_
 ALL_ROWS = 1 << 40  #: :meth:`Policy.query_rows` for "every row of the prompt"
 
 
+_COEFFICIENTS: dict[tuple[int, int, bytes], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _coefficients(start: int, count: int, rotary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mean_rotation_coefficients`, memoised (a pure function of its arguments; decode asks for one offset)."""
+    key = (start, count, rotary.detach().cpu().numpy().tobytes())
+    if key not in _COEFFICIENTS:
+        if len(_COEFFICIENTS) > 256:
+            _COEFFICIENTS.clear()
+        _COEFFICIENTS[key] = mean_rotation_coefficients(start, count, rotary)
+    return _COEFFICIENTS[key]
+
+
 def query_statistics(queries: torch.Tensor, positions: torch.Tensor, rotary: torch.Tensor | None, n_sink: int,
                      future: int, n_future: int, covariance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean (and covariance) of the pre-RoPE queries, rotated ahead by the average RoPE of the next positions.
@@ -32,6 +45,9 @@ def query_statistics(queries: torch.Tensor, positions: torch.Tensor, rotary: tor
     mu : ``[b, heads, d]`` and cov : ``[b, heads, d, d]`` (None without ``covariance``), float32.
     """
     b, h, w, d = queries.shape
+    if w == 1 and rotary is not None and b == 1:  # a decode step: R(future..) R(-p) q in one averaged rotation
+        offset = future - int(positions[0, 0])
+        return mean_rotate(queries[:, :, 0].float(), *_coefficients(offset, n_future, rotary)), None
     pre = queries.float() if rotary is None else unrotate(queries, positions.unsqueeze(1), rotary)
     used = (positions >= n_sink).to(torch.float32)  # [b, w]
     used = torch.where(used.sum(dim=-1, keepdim=True) > 0, used, torch.ones_like(used))
@@ -62,15 +78,18 @@ def expected_scores(keys: torch.Tensor, values: torch.Tensor, mu: torch.Tensor, 
     b, kvh, n, d = keys.shape
     g = mu.shape[1] // kvh
     k = keys.float()
-    # one GEMM per KV head (no broadcast copies of the keys): [g, d] @ [d, n]
+    # one GEMM per KV head: [g, d] @ [d, n] (measured faster on CPU than [n, d] @ [d, g] for g of 1-8)
     logits = (mu.view(b, kvh, g, d) @ k.transpose(-1, -2)) / math.sqrt(d)  # [b, kvh, g, n]
     if cov is not None:  # k^T S_g k for every query head g of the group: [n, d] @ [d, g * d]
         kc = (k @ cov.view(b, kvh, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, kvh, d, g * d)).view(b, kvh, n, g, d)
         logits = logits + ((kc * k.unsqueeze(3)).sum(dim=-1) / d / 2).transpose(-1, -2)
     logits = logits.masked_fill(~scored.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if only_last:
-        probs, values, scored = probs[..., n - only_last:], values[:, :, n - only_last:], scored[..., n - only_last:]
+    if only_last:  # a decode step: normalise over every scored slot, keep only the newest
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [b, kvh, g, 1]
+        probs = (logits[..., n - only_last:] - lse).exp()
+        values, scored = values[:, :, n - only_last:], scored[..., n - only_last:]
+    else:
+        probs = torch.softmax(logits, dim=-1)
     probs = torch.nan_to_num(probs.mean(dim=2), nan=0.0)  # [b, kvh, n or only_last]
     if use_vnorm:
         probs = (probs + epsilon) * values.float().norm(dim=-1)
