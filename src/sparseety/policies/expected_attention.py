@@ -21,11 +21,12 @@ _COEFFICIENTS: dict[tuple[int, int, bytes], tuple[torch.Tensor, torch.Tensor]] =
 def _coefficients(start: int, count: int, rotary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mean_rotation_coefficients`, memoised (a pure function of its arguments; decode asks for one offset)."""
     key = (start, count, rotary.detach().cpu().numpy().tobytes())
-    if key not in _COEFFICIENTS:
+    found = _COEFFICIENTS.get(key)  # one lookup: safe beside another thread's insert or clear
+    if found is None:
         if len(_COEFFICIENTS) > 256:
             _COEFFICIENTS.clear()
-        _COEFFICIENTS[key] = mean_rotation_coefficients(start, count, rotary)
-    return _COEFFICIENTS[key]
+        found = _COEFFICIENTS[key] = mean_rotation_coefficients(start, count, rotary)
+    return found
 
 
 def query_statistics(queries: torch.Tensor, positions: torch.Tensor, rotary: torch.Tensor | None, n_sink: int,
