@@ -291,15 +291,9 @@ def encode_case(tokenizer: Any, case: RulerCase, chat: bool | None) -> Any:
     """The long-document encoding of ``case``: context (compressed) | question + answer prefix (not).
 
     With a chat template the user turn is ``context + "\\n\\n" + question`` and the answer prefix starts the
-    assistant turn; without one (a base model) the text is ``context + "\\n\\n" + question + " " + prefix``.
+    assistant turn; without one (a base model) the text is ``context + "\\n\\n" + question + " " + prefix``
+    (:func:`sparseety.engine.inputs.encode_with_answer_prefix`, which ``bench passkey`` uses for base models).
     """
-    import torch
+    from sparseety.engine.inputs import encode_with_answer_prefix
 
-    from sparseety.engine import encode_document
-    from sparseety.engine.inputs import EncodedInput, use_chat
-
-    encoded = encode_document(tokenizer, case.context, case.question, chat)
-    lead = "" if use_chat(tokenizer, chat) else " "
-    prefix_ids = tokenizer(lead + case.answer_prefix, add_special_tokens=False)["input_ids"]
-    ids = torch.cat([encoded.input_ids, torch.tensor([prefix_ids], dtype=torch.long)], dim=1)
-    return EncodedInput(ids, compress_len=encoded.compress_len)
+    return encode_with_answer_prefix(tokenizer, case.context, case.question, case.answer_prefix, chat)
