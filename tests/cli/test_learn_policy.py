@@ -115,3 +115,21 @@ def test_empty_or_missing_trace_dir_fails_clearly(traced, tmp_path):
     assert not (tmp_path / "p.safetensors").exists()
     bad = invoke("learn-policy", str(tmp_path / "empty"), "-o", str(tmp_path / "p.bin"))
     assert bad.exit_code == 2 and ".safetensors" in bad.stderr
+
+
+def test_bench_passkey_takes_the_learned_policy_file(traced, tmp_path):
+    folder, traces = traced
+    out = tmp_path / "policy.safetensors"
+    assert invoke("learn-policy", str(traces), "-o", str(out), "--epochs", "1").exit_code == 0
+    args = ["bench", "passkey", "--model", str(folder), "--policies", "learned,tova", "--ratios", "0.5",
+            "--lengths", "60", "--depths", "0.5", "--no-chat", "--max-new-tokens", "2", "--quiet"]
+    done = invoke(*args, "--policy-opt", f"learned:model={out}", "--out", str(tmp_path / "bench"))
+    assert done.exit_code == 0, done.output
+    document = json.loads((tmp_path / "bench" / "passkey.json").read_text())
+    assert {r["policy"] for r in document["results"]} == {"dense", "learned", "tova"}
+    assert document["run"]["policy_opt"] == [f"learned:model={out}"]
+    missing = invoke(*args, "--policy-opt", f"learned:model={tmp_path / 'nope.safetensors'}",
+                     "--out", str(tmp_path / "b2"))
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    unnamed = invoke(*args, "--out", str(tmp_path / "b3"))
+    assert unnamed.exit_code == 2 and "no predictor file" in unnamed.stderr

@@ -85,15 +85,18 @@ def run_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policies: Se
                 chat: bool | None = None, dense: bool = True,
                 on_result: Callable[[PasskeyResult], None] | None = None,
                 engine_options: dict[str, Any] | None = None,
-                finished: Sequence[PasskeyResult] = ()) -> PasskeyReport:
+                finished: Sequence[PasskeyResult] = (),
+                policy_options: dict[str, dict[str, Any]] | None = None) -> PasskeyReport:
     """Every case under dense (the sanity row, when ``dense``) and under each policy at each ratio.
 
-    ``finished`` results (of a resumed run) are kept and their cases not run again.
+    ``finished`` results (of a resumed run) are kept and their cases not run again; ``policy_options``
+    gives each policy its options by name (``learned``'s ``model=FILE``).
     """
     results = run_plan(
         plan_cases(cases, policies, ratios, dense=dense),
         lambda name, ratio, case: answer_case(engine, case, name, ratio, max_new_tokens=max_new_tokens, chat=chat,
-                                              seed=seed, engine_options=engine_options),
+                                              seed=seed, engine_options=engine_options,
+                                              options=(policy_options or {}).get(name)),
         key_of_case=lambda name, ratio, case: (name, float(ratio), case.length, float(case.depth)),
         key_of_result=result_key, finished=finished, on_result=on_result)
     return PasskeyReport(model=model, seed=seed, cases=list(cases), results=results)

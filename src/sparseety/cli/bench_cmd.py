@@ -38,6 +38,8 @@ def passkey_cmd(
     prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
     attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
+    policy_opt: list[str] = typer.Option([], "--policy-opt", help="POLICY:KEY=VALUE for one policy of --policies, "
+                                         "KEY=VALUE for all (repeatable), e.g. learned:model=policy.safetensors."),
     resume: bool = typer.Option(False, "--resume", help="Continue the unfinished run in --out without redoing "
                                 "its finished cases (passkey.json is rewritten after every case)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
@@ -47,12 +49,14 @@ def passkey_cmd(
     from sparseety.bench.passkey_plot import plot_passkey
     from sparseety.bench.passkey_run import plan_cases
     from sparseety.cli.bench_common import (check_policies, finished_results, parse_lengths, parse_ratios,
-                                            saving_each, write_complete)
+                                            policy_options_by_name, saving_each, write_complete)
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
 
-    names = check_policies(policies)  # unknown names fail before the model loads
+    names = parse_list(policies, "--policies", str)
+    options = policy_options_by_name(policy_opt, names)
+    names = check_policies(policies, options)  # unknown names or options fail before the model loads
     ratio_list = parse_ratios(ratios)
     length_list = parse_lengths(lengths)
     depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
@@ -63,6 +67,8 @@ def passkey_cmd(
     settings = {"model": model, "policies": names, "ratios": ratio_list, "lengths": length_list, "depths": depth_list,
                 "seed": seed, "max_new_tokens": max_new_tokens, "chat": chat, "prune_schedule": prune_schedule,
                 "prune_opt": list(prune_opt), "attention_topk": attention_topk}
+    if policy_opt:  # only when given, so runs started before the flag existed still resume
+        settings["policy_opt"] = list(policy_opt)
     target = out / "passkey.json"
     finished = finished_results(target, "passkey", settings, PasskeyResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)
@@ -79,7 +85,8 @@ def passkey_cmd(
                      document=lambda rows: PasskeyReport(model=model, seed=seed, cases=cases, results=rows).to_json(),
                      ) as keep:
         report = run_passkey(engine, cases, names, ratio_list, model=model, seed=seed, max_new_tokens=max_new_tokens,
-                             chat=chat, on_result=keep, engine_options=engine_options, finished=finished)
+                             chat=chat, on_result=keep, engine_options=engine_options, finished=finished,
+                             policy_options=options)
     document = write_complete(target, report.to_json(), settings)
     plot_passkey(document, out / "passkey.png")
     print_tables(document, Console())
