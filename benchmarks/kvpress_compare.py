@@ -352,7 +352,8 @@ def markdown(document: dict) -> str:
                 name = p if p == "dense" or p not in PAIRS else f"{p} ({PAIRS[p]})"
                 out.append(f"| {name} | " + " | ".join(pair(r, "accuracy", pct) for r in rows) + " |")
         out.append("")
-    out += ["**KV bytes held** (MiB, mean over the cases of every task; SparSEEty / kvpress)", "",
+    out += ["**KV held at the end of the answer, as a fraction of dense** (mean over the tasks run; "
+            "SparSEEty / kvpress)", "",
             "| policy | " + " | ".join(f"ratio {x}" for x in [0.0, *ratios]) + " |", "|---|" + "---|" * (len(ratios) + 1)]
     for p in policies:
         rows = []
@@ -361,10 +362,13 @@ def markdown(document: dict) -> str:
             if not group:
                 rows.append("-")
                 continue
-            ours = sum(r["kv_bytes_sparseety"] for r in group) / len(group)
-            theirs = [r["kv_bytes_kvpress"] for r in group if "kv_bytes_kvpress" in r]
-            rows.append(mib(ours) + (f" / {mib(sum(theirs) / len(theirs))}" if theirs else ""))
+            ours = sum(r["kv_fraction_of_dense_sparseety"] for r in group) / len(group)
+            theirs = [r["kv_fraction_of_dense_kvpress"] for r in group if "kv_fraction_of_dense_kvpress" in r]
+            rows.append(f"{ours:.3f}" + (f" / {sum(theirs) / len(theirs):.3f}" if theirs else ""))
         out.append(f"| {p} | " + " | ".join(rows) + " |")
+    dense = [r for r in table if r["policy"] == "dense"]
+    out += ["", "Dense KV per task (MiB, mean over its cases): "
+            + ", ".join(f"{r['task']} {mib(r['kv_bytes_sparseety'])}" for r in dense)]
     return "\n".join(out)
 
 
