@@ -10,7 +10,7 @@ from tiny_models import WINDOW, prompt_ids, run
 from sparseety.engine import EncodedInput
 from sparseety.engine.cache import SparseLayer
 from sparseety.engine.request import GenerationOptions
-from sparseety.engine.window import layer_windows, window_edge, window_mask
+from sparseety.engine.window import window_edge, window_mask
 from sparseety.policies import build_policy
 
 PROMPT, NEW = 30, 6

@@ -24,8 +24,8 @@ from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
 from sparseety.engine.window import hidden_by_window, window_edge
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
-from sparseety.policies.rotary import inverse_frequencies
 from sparseety.policies.kvzip import ReconstructionChunk
+from sparseety.policies.rotary import inverse_frequencies
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
 

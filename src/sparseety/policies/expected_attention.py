@@ -153,8 +153,9 @@ class ExpectedAttentionPolicy(Policy):
         assert obs.queries is not None and obs.values is not None, "expected_attention needs queries and values"
         keys, positions = obs.keys, obs.positions
         n, w = keys.shape[2], obs.queries.shape[2]
-        rows = positions[:, 0, n - w:]  # [b, w] positions of the query rows (the newest slots)
         future = int(positions.amax()) + 1
+        # [b, w] positions of the query rows: the newest w tokens fed (a sliding layer may no longer hold them all)
+        rows = torch.arange(future - w, future, device=positions.device).expand(positions.shape[0], w)
         sinks = positions < self.n_sink
         mu, cov = query_statistics(obs.queries, rows, obs.rotary, self.n_sink, future, self.n_future_positions,
                                    self.use_covariance)
