@@ -82,12 +82,16 @@ def test_dense_in_a_batch_equals_plain_generate(family, engine_for, greedy_refer
         assert result.output_ids == greedy_reference(family, e.input_ids, NEW), f"prompt of {e.input_len} tokens"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "gemma3"])
 def test_every_policy_in_one_batch_equals_each_alone(family, engine_for):
     engine = engine_for(family)
     encoded, pols = inputs(), policies()
     options = GenerationOptions(max_new_tokens=NEW, tier=3)
-    batched = engine.generate_batch(encoded, pols, options, prefill_chunk=24)
+    # On the hybrid model a chunk edge changes the sliding layers' SDPA blocking (keys the window hid are
+    # absent instead of masked), a float difference knorm's near-tied key norms amplify on random weights;
+    # its chunked prefill is checked policy by policy in test_engine_window.py. Here: packing only.
+    chunk = 4096 if family == "gemma3" else 24
+    batched = engine.generate_batch(encoded, pols, options, prefill_chunk=chunk)
     for e, p, b in zip(encoded, pols, batched):
         alone = engine.generate(e, p, max_new_tokens=NEW, tier=3)
         assert_same_trace(alone, b)

@@ -253,11 +253,19 @@ def test_the_generic_pass_keeps_what_the_fused_cpu_pass_keeps(engine_for, monkey
     assert generic.output_ids == fused.output_ids
 
 
-def test_a_sliding_window_model_is_refused_before_it_runs(engine_for, monkeypatch):
-    engine = engine_for("llama")
-    monkeypatch.setattr(engine, "windows", (None, 8, None, 8), raising=False)
+def test_on_a_hybrid_model_global_layers_are_scored_and_sliding_layers_keep_their_newest(engine_for):
+    """Gemma-style layers: the reconstruction pass scores the global layer's context slots; a sliding layer
+    holds only its window (8), so a budget of 6 keeps its 6 newest; and the pass leaves no trace."""
+    engine = engine_for("gemma3")
     e = EncodedInput(prompt_ids(30, seed=4))
-    with pytest.raises(ConfigError, match="kvzip.*sliding"):
-        engine.generate(e, build_policy("kvzip", 10), max_new_tokens=2)
-    with pytest.raises(ConfigError, match="kvzip.*sliding"):
-        engine.batch().add(e, build_policy("kvzip", 10))
+    result = engine.generate(e, build_policy("kvzip", 6), max_new_tokens=4, tier=2)
+    batched = engine.generate_batch([e], build_policy("kvzip", 6), GenerationOptions(max_new_tokens=4, tier=2),
+                                    prefill_chunk=7)[0]
+    assert batched.output_ids == result.output_ids and batched.kept_positions_final == result.kept_positions_final
+    seen = 30 + 4 - 1
+    for layer in (0, 1, 2):
+        for positions in result.kept_positions_final[str(layer)].values():
+            assert positions == list(range(seen - 6, seen))
+    for positions in result.kept_positions_final["3"].values():
+        assert len(positions) == 6 and positions[:4] == [0, 1, 2, 3]  # the sinks, then what kvzip and decode kept
+    assert result.arrays["window.position"].tolist()[:3] == [30 - 8] * 3  # step 0: the prompt's edge, unmoved

@@ -227,6 +227,12 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
            scaling: float, kwargs: dict) -> torch.Tensor:
     """One sequence's attention through its run context: output ``[b, q, heads, d]``; the context scores and evicts."""
     layer = module.layer_idx
+    if ctx.reconstruction is not None and ctx.cache.layers[layer].window is not None:
+        # kvzip's pass on a sliding layer: its window attention only (the layer keeps its newest slots, unscored)
+        out = causal_attention(module, query, key, value, scaling, sliding_hidden(ctx.cache.layers[layer], query.shape[2]),
+                               **kwargs)
+        ctx.observe(layer, key, LayerSignals())
+        return out
     if ctx.reconstruction is not None:  # kvzip's reconstruction pass: output and slot scores in one go (CPU)
         fused = reconstruction_attention(query, key, value, scaling, ctx.reconstruction)
         if fused is not None:

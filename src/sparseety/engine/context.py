@@ -435,6 +435,8 @@ class RunContext:
             for layer, cache_layer in enumerate(self.cache.layers):
                 positions = cache_layer.positions
                 assert positions is not None
+                if cache_layer.window is not None:  # a sliding layer holds only its window: scored by recency
+                    continue
                 expected = torch.arange(self.reconstruction_region, device=positions.device)
                 if positions.shape[-1] != self.reconstruction_region or not bool((positions == expected).all()):
                     raise RuntimeError("reconstruction needs the region's slots, in position order, nothing evicted")
@@ -450,8 +452,9 @@ class RunContext:
 
     def _observe_reconstruction(self, layer: int, seen: LayerSignals) -> None:
         chunk = self.reconstruction
-        assert chunk is not None and seen.reconstruction is not None
-        self._reconstruction_scores[layer][..., chunk.start : chunk.end] = seen.reconstruction
+        assert chunk is not None
+        if seen.reconstruction is not None:
+            self._reconstruction_scores[layer][..., chunk.start : chunk.end] = seen.reconstruction
         self.cache.layers[layer].truncate(len(chunk.ids))
 
     def finish_reconstruction(self) -> None:
@@ -459,13 +462,17 @@ class RunContext:
         for layer, cache_layer in enumerate(self.cache.layers):
             positions = cache_layer.positions
             assert positions is not None
-            scores = self._reconstruction_scores.pop(layer, torch.zeros(positions.shape, device=positions.device))
+            default = positions.float() if cache_layer.window is not None else torch.zeros(positions.shape)
+            scores = self._reconstruction_scores.pop(layer, default.to(positions.device))  # sliding: the newest first
             obs = Observation(layer=layer, num_layers=self.num_layers, step=0, prefill=True, positions=positions,
                               keys=cache_layer.keys, attention=scores, state=None, seed=self.seed)
             scores, cache_layer.state = self.policy.score(obs)
-            budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
+            budget = self.layer_budget(layer)
             if budget is None or positions.shape[-1] <= budget:
                 continue
+            if cache_layer.window is not None:  # what the window hides goes first
+                scores = scores.masked_fill(hidden_by_window(positions, cache_layer.seen, cache_layer.window),
+                                            float("-inf"))
             evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
             if self.tier >= 1:
                 self.evictions.add(0, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))

@@ -214,9 +214,6 @@ class SparseEngine:
         if policy.reconstructs and options.prune is not None:
             raise ConfigError(f"policy {policy.name!r} cannot be combined with token pruning: its reconstruction pass "
                               "scores every slot of the region it compresses")
-        if policy.reconstructs and any(w is not None for w in getattr(self, "windows", ())):
-            raise ConfigError(f"policy {policy.name!r} does not support sliding-window models such as Gemma 3 "
-                              "(as kvpress's KVzipPress): its reconstruction pass scores every slot of the context")
         if self.max_positions and encoded.input_len + options.max_new_tokens > self.max_positions:
             raise InputError(
                 f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({options.max_new_tokens}) exceeds "

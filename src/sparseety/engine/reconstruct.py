@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from sparseety.engine.context import RunContext, activate
-from sparseety.errors import ConfigError
 from sparseety.policies.kvzip import ReconstructionChunk
 
 #: Query rows scored at a time (the ``[heads, rows, keys]`` block stays small).
@@ -128,13 +127,6 @@ def reconstruction_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     return out.to(query.dtype).transpose(1, 2).contiguous(), best.exp()
 
 
-def check_reconstruction(ctx: RunContext) -> None:
-    """Refuse what the reconstruction cannot run on (a typed error naming the policy)."""
-    if any(getattr(layer, "window", None) is not None for layer in ctx.cache.layers):
-        raise ConfigError(f"policy {ctx.policy.name!r} does not support sliding-window models "
-                          "(its reconstruction scores every slot of the context, as kvpress, which refuses Gemma 3)")
-
-
 def run_reconstruction(model: torch.nn.Module, ctx: RunContext, context_ids: list[int], tokenizer: Any) -> None:
     """Run the pending reconstruction of ``ctx`` (see the module docstring), then evict.
 
@@ -142,7 +134,6 @@ def run_reconstruction(model: torch.nn.Module, ctx: RunContext, context_ids: lis
     """
     if not ctx.reconstruction_pending:
         return
-    check_reconstruction(ctx)
     if len(context_ids) != ctx.reconstruction_region:
         raise RuntimeError(f"reconstruction of {ctx.reconstruction_region} positions given {len(context_ids)} ids")
     chunks = ctx.policy.reconstruction_chunks(context_ids, tokenizer)  # type: ignore[attr-defined]

@@ -170,6 +170,8 @@ class CompactorPolicy(Policy):
         keys, values, queries = obs.keys, obs.values, obs.queries
         b, kvh, n, d = keys.shape
         w = queries.shape[2]
+        if w > n:  # a sliding layer holds only its window: the query rows of the (newest) positions it holds
+            queries, w = queries[:, :, w - n:], n
         state = torch.zeros(b, kvh, n) if obs.state is None else obs.state.clone()
         first = n - w  # slots without query rows (none in a plain prefill) keep their state
         left = min(self.sink_size_start, w)
