@@ -332,17 +332,18 @@ def markdown(document: dict) -> str:
     policies = list(dict.fromkeys(r["policy"] for r in table))
     cell = {(r["task"], r["policy"], r["ratio"]): r for r in table}
 
-    def pair(r: dict | None, key: str, fmt) -> str:
+    def pair(r: dict | None, key: str, fmt, n: int | None = None) -> str:
         if r is None:
             return "-"
         ours, theirs = r[f"{key}_sparseety"], r.get(f"{key}_kvpress")
-        return fmt(ours) + ("" if theirs is None else " / " + fmt(theirs))
+        subset = "" if n is None or r["cases"] == n else f" ({r['cases']} of {n})"
+        return fmt(ours) + ("" if theirs is None else " / " + fmt(theirs)) + subset
 
     pct = lambda v: f"{v:.0%}"  # noqa: E731
     mib = lambda v: f"{v / 2**20:.1f}"  # noqa: E731
     out = []
     for task in dict.fromkeys(r["task"] for r in table):
-        n = next(r["cases"] for r in table if r["task"] == task)
+        n = max(r["cases"] for r in table if r["task"] == task)
         out += [f"**{task}** ({n} cases; SparSEEty / kvpress)", "",
                 "| policy (press) | " + " | ".join(f"ratio {x}" for x in [0.0, *ratios]) + " |",
                 "|---|" + "---|" * (len(ratios) + 1)]
@@ -350,7 +351,9 @@ def markdown(document: dict) -> str:
             rows = [cell.get((task, p, x)) for x in [0.0, *ratios]]
             if any(rows):
                 name = p if p == "dense" or p not in PAIRS else f"{p} ({PAIRS[p]})"
-                out.append(f"| {name} | " + " | ".join(pair(r, "accuracy", pct) for r in rows) + " |")
+                if p != "dense" and not any(r and "accuracy_kvpress" in r for r in rows):
+                    name = f"{p} (ours only)"
+                out.append(f"| {name} | " + " | ".join(pair(r, "accuracy", pct, n) for r in rows) + " |")
         out.append("")
     out += ["**KV held at the end of the answer, as a fraction of dense** (mean over the tasks run; "
             "SparSEEty / kvpress)", "",
@@ -403,8 +406,12 @@ def main() -> None:
         return
     if args.markdown:
         docs = [json.loads(path.read_text()) for path in args.markdown]
-        ours = [r for d in docs for r in d["rows"]["sparseety"]]
-        theirs = [r for d in docs for r in d["rows"]["kvpress"]]
+        def unique(rows):  # the same case under the same policy and ratio, run by two files, counts once
+            key = lambda r: tuple(r.get(k) for k in ("policy", "ratio", "task", "length", "depth", "index", "seed"))  # noqa: E731
+            return list({key(r): r for r in rows}.values())
+
+        ours = unique(r for d in docs for r in d["rows"]["sparseety"])
+        theirs = unique(r for d in docs for r in d["rows"]["kvpress"])
         table = tables(ours, theirs)
         print(markdown({"table": table}))
         print()
