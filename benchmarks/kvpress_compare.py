@@ -329,7 +329,7 @@ def markdown(document: dict) -> str:
     KV bytes held per policy and ratio (MiB, mean over the cases, ours / kvpress)."""
     table = document["table"]
     ratios = sorted({r["ratio"] for r in table if r["policy"] != "dense"})
-    policies = list(dict.fromkeys(r["policy"] for r in table))
+    policies = ["dense", *(p for p in dict.fromkeys(r["policy"] for r in table) if p != "dense")]
     cell = {(r["task"], r["policy"], r["ratio"]): r for r in table}
 
     def pair(r: dict | None, key: str, fmt, n: int | None = None) -> str:
