@@ -224,6 +224,12 @@ class SparseLayer(DynamicLayer):
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
 
+    def hidden_slots(self) -> torch.Tensor | None:
+        """``[b, kv_heads, slots]`` bool: held slots no later query can see (a sliding layer); None for a global layer."""
+        if self.window is None or self.positions is None:
+            return None
+        return hidden_by_window(self.positions, self.seen, self.window)
+
     def expire(self) -> int:
         """A sliding layer: free the slots no later query can see (positions below the next query's window edge).
 
@@ -232,10 +238,9 @@ class SparseLayer(DynamicLayer):
         (a policy reordered the slots) each head drops as many of its hidden slots as every head has,
         and the policy evicts the rest first (they score lowest). Returns the slots freed per head.
         """
-        positions = self.positions
-        if self.window is None or positions is None:
+        positions, hidden = self.positions, self.hidden_slots()
+        if positions is None or hidden is None:
             return 0
-        hidden = hidden_by_window(positions, self.seen, self.window)
         counts = hidden.sum(dim=-1)
         e = int(counts.min())
         if e == 0:

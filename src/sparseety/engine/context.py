@@ -17,12 +17,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from sparseety.engine.cache import SparseCache
+from sparseety.engine.cache import SparseCache, SparseLayer
 from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, WINDOW, EventLog
 from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
-from sparseety.engine.window import hidden_by_window, window_edge
+from sparseety.engine.window import window_edge
 from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
 from sparseety.policies.kvzip import ReconstructionChunk
 from sparseety.policies.rotary import inverse_frequencies
@@ -417,8 +417,7 @@ class RunContext:
             return
         budget = self.layer_budget(layer)
         assert budget is not None
-        if cache_layer.window is not None:  # what the window hides goes first
-            scores = scores.masked_fill(hidden_by_window(positions, cache_layer.seen, cache_layer.window), float("-inf"))
+        scores = hidden_first(scores, cache_layer)
         if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
             scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                              positions >= cache_layer.seen - self.drafts_in_forward)
@@ -470,9 +469,7 @@ class RunContext:
             budget = self.layer_budget(layer)
             if budget is None or positions.shape[-1] <= budget:
                 continue
-            if cache_layer.window is not None:  # what the window hides goes first
-                scores = scores.masked_fill(hidden_by_window(positions, cache_layer.seen, cache_layer.window),
-                                            float("-inf"))
+            scores = hidden_first(scores, cache_layer)
             evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
             if self.tier >= 1:
                 self.evictions.add(0, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
@@ -522,6 +519,12 @@ class RunContext:
         if self.tier >= 3:
             left_out = positions[0][~attended[0]].reshape(positions.shape[1], -1)
             self.skips.add(self.step, layer, left_out, None)
+
+
+def hidden_first(scores: torch.Tensor, cache_layer: SparseLayer) -> torch.Tensor:
+    """``scores`` ``[b, kv_heads, slots]`` with what a sliding layer's window hides at ``-inf``: evicted first."""
+    hidden = cache_layer.hidden_slots()
+    return scores if hidden is None else scores.masked_fill(hidden, float("-inf"))
 
 
 def _joined(carried: torch.Tensor | None, new: torch.Tensor, *, rows: bool) -> torch.Tensor:
