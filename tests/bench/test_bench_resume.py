@@ -5,19 +5,16 @@ fresh start over an unfinished run, are refused. Progress is one line per case o
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from killed_bench import SPARSEETY, kill_after_first_case
 from tiny_models import build_model, build_tokenizer
 from typer.testing import CliRunner
 
 from sparseety.cli import app
 
-SPARSEETY = str(Path(sys.executable).parent / "sparseety")
 TOTAL = 2 * (1 + 3)  # two lengths, dense plus three ratios
 
 
@@ -33,21 +30,7 @@ def args(tmp_path_factory) -> list[str]:
 
 def test_a_killed_bench_resumes_without_redoing_cases(args: list[str], tmp_path: Path):
     out = tmp_path / "bench"
-    proc = subprocess.Popen([SPARSEETY, *args, "--out", str(out)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
-    first = ""
-    try:
-        for line in proc.stderr:
-            if line.startswith(f"[1/{TOTAL}] passkey cases:"):
-                first = line
-                break
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert first, "no progress line before the kill"
-    partial = json.loads((out / "passkey.json").read_text())
-    assert partial["complete"] is False and 1 <= len(partial["results"]) < TOTAL
-    kept = partial["results"]
+    kept = kill_after_first_case(args, out, "--out", "passkey.json", TOTAL, "passkey")
 
     fresh = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert fresh.exit_code == 2 and "pass --resume" in fresh.stderr  # finished cases are never overwritten silently

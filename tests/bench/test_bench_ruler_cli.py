@@ -4,21 +4,18 @@ tables), clear errors for bad flags, and resume after a kill on a tiny model."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+from killed_bench import SPARSEETY, kill_after_first_case
 from tiny_models import build_model, build_tokenizer
 from typer.testing import CliRunner
 
 from sparseety.bench.ruler import score
 from sparseety.cli import app
 
-SPARSEETY = str(Path(sys.executable).parent / "sparseety")
 
 
 def invoke(*args: str):
@@ -96,21 +93,7 @@ def test_a_killed_ruler_bench_resumes_without_redoing_cases(tmp_path: Path):
             "--cases", "2", "--policies", "streaming", "--ratios", "0.25,0.5", "--max-new-tokens", "4"]
     total = 2 * 2 * 3  # two tasks x two cases x (dense + two ratios)
     out = tmp_path / "bench"
-    proc = subprocess.Popen([SPARSEETY, *args, "-o", str(out)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
-    first = ""
-    try:
-        for line in proc.stderr:
-            if line.startswith(f"[1/{total}] ruler cases:"):
-                first = line
-                break
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert first, "no progress line before the kill"
-    partial = json.loads((out / "ruler.json").read_text())
-    assert partial["complete"] is False and 1 <= len(partial["results"]) < total
-    kept = partial["results"]
+    kept = kill_after_first_case(args, out, "-o", "ruler.json", total, "ruler")
 
     fresh = CliRunner().invoke(app, [*args, "-o", str(out)])
     assert fresh.exit_code == 2 and "pass --resume" in fresh.stderr
