@@ -15,7 +15,7 @@ from sparseety.policies import build_policy
 CONTEXT, QUESTION, NEW, BUDGET = 40, 8, 8, 12
 POLICIES = [
     ("streaming", {}), ("h2o", {}), ("snapkv", {"window": "4"}), ("tova", {}), ("knorm", {}), ("random", {}),
-    ("pyramid", {"window": "4", "beta": "4"}), ("kvzip", {}),
+    ("pyramid", {"window": "4", "beta": "4"}), ("kvzip", {"layerwise": "true"}),
 ]
 
 

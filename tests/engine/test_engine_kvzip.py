@@ -32,8 +32,19 @@ def eager_model():
     return model
 
 
+def reference_budgets(scores: torch.Tensor, budget: int) -> list[int]:
+    """Per layer, its share of ``layers x budget`` slots per head: one each, then one at a time to the layer
+    whose next slot adds most (its heads' next-best scores summed)."""
+    best = scores.sort(dim=-1, descending=True).values.sum(dim=1).tolist()  # [layers][n]
+    shares = [1] * len(best)
+    for _ in range(len(best) * (budget - 1)):
+        gains = [row[k] if k < len(row) else float("-inf") for row, k in zip(best, shares)]
+        shares[gains.index(max(gains))] += 1
+    return shares
+
+
 def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int = 4,
-                   chunk_size: int = 2048) -> dict[int, list[list[int]]]:
+                   chunk_size: int = 2048, layerwise: bool = False) -> dict[int, list[list[int]]]:
     """Per layer, per KV head: the positions KVzip keeps, computed from eager attention on a DynamicCache."""
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     suffix = enc("\n")  # no chat template
@@ -61,12 +72,13 @@ def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int
             cache.crop(-q)
             start += len(piece)
     scores[..., :sinks] = float("inf")
+    budgets = [budget] * layers if layerwise else reference_budgets(scores, budget)
     kept = {}
     for layer in range(layers):
         kept[layer] = []
         for head in range(KV_HEADS):
             order = sorted(range(n), key=lambda p: (-float(scores[layer, head, p]), p))
-            kept[layer].append(sorted(order[:budget]))
+            kept[layer].append(sorted(order[: budgets[layer]]))
     return kept
 
 
@@ -74,13 +86,18 @@ def kept_of(result, layer: int, head: int) -> list[int]:
     return result.kept_positions_final[str(layer)][str(head)]
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize("n, budget, chunk_size", [(60, 20, 2048), (75, 30, 16), (41, 9, 41)])
-def test_kept_sets_equal_an_eager_reimplementation(n, budget, chunk_size, engine_for, tokenizer, eager_model):
+def test_kept_sets_equal_an_eager_reimplementation(n, budget, chunk_size, layerwise, engine_for, tokenizer, eager_model):
     engine = engine_for("llama")
     ids = prompt_ids(n, seed=n)
-    policy = build_policy("kvzip", budget, {"chunk_size": str(chunk_size)})
+    policy = build_policy("kvzip", budget, {"chunk_size": str(chunk_size), "layerwise": str(layerwise)})
     result = engine.generate(EncodedInput(ids), policy, max_new_tokens=1, tier=2)
-    expected = reference_kept(eager_model, tokenizer, ids[0].tolist(), budget, chunk_size=chunk_size)
+    expected = reference_kept(eager_model, tokenizer, ids[0].tolist(), budget, chunk_size=chunk_size,
+                              layerwise=layerwise)
+    if not layerwise:  # the shares differ between layers, and add up to the uniform total
+        shares = [len(expected[layer][0]) for layer in range(engine.num_layers)]
+        assert len(set(shares)) > 1 and sum(shares) == engine.num_layers * budget
     for layer in range(engine.num_layers):
         for head in range(KV_HEADS):
             assert kept_of(result, layer, head) == expected[layer][head], (layer, head)
@@ -105,7 +122,7 @@ def test_cache_after_the_pass_holds_only_kept_context_slots(engine_for):
     engine = engine_for("llama")
     n, budget = 64, 24
     encoded = EncodedInput(prompt_ids(n, seed=8))
-    policy = build_policy("kvzip", budget)
+    policy = build_policy("kvzip", budget, {"layerwise": "true"})
     with engine.open_run(encoded, policy, tier=1) as ctx:
         engine.model(input_ids=encoded.input_ids, past_key_values=ctx.cache, use_cache=True)
         assert ctx.reconstruction_pending and not len(ctx.evictions)
@@ -125,23 +142,27 @@ def test_cache_after_the_pass_holds_only_kept_context_slots(engine_for):
             assert layer.seen == n + 1 and n in layer.positions[0, 0].tolist()
 
 
-def test_budget_holds_every_decode_step_and_the_window_is_kept(engine_for):
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_budget_holds_every_decode_step_and_the_window_is_kept(layerwise, engine_for):
+    """Each layer's budget (uniform, or its share of the total) holds at every decode step."""
     engine = engine_for("llama")
     n, budget, window = 40, 16, 4
-    result = engine.generate(EncodedInput(prompt_ids(n, seed=2)), build_policy("kvzip", budget, {"window": str(window)}),
-                             max_new_tokens=12, tier=2)
+    policy = build_policy("kvzip", budget, {"window": str(window), "layerwise": str(layerwise)})
+    result = engine.generate(EncodedInput(prompt_ids(n, seed=2)), policy, max_new_tokens=12, tier=2)
     a = result.arrays
+    shares = [len(kept_of(result, layer, 0)) for layer in range(engine.num_layers)]
+    assert sum(shares) == engine.num_layers * budget and (len(set(shares)) == 1) == layerwise
     for layer in range(engine.num_layers):
         for head in range(KV_HEADS):
             sel = (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
             steps, positions = a["evicted.step"][sel], a["evicted.position"][sel]
-            assert (steps == 0).sum() == n - budget
+            assert (steps == 0).sum() == n - shares[layer]
             for step in range(1, 12):  # one new slot per step, one evicted: the budget holds
                 at = positions[steps == step]
                 assert at.size == 1
                 assert at[0] <= n + step - 1 - window, "a protected recent slot was evicted"
                 assert at[0] >= 4, "a sink was evicted"
-            assert len(kept_of(result, layer, head)) == budget
+            assert len(kept_of(result, layer, head)) == shares[layer]
 
 
 def test_long_document_compresses_the_context_only(engine_for, tokenizer, eager_model):

@@ -35,7 +35,7 @@ def ids(tok, text):
 
 @pytest.mark.parametrize(("options", "field"), [
     ({"sinks": "-1"}, "sinks"), ({"chunk_size": "0"}, "chunk_size"), ({"window": "-2"}, "window"),
-    ({"chunk_size": "lots"}, "chunk_size"), ({"sink": "4"}, "sink"),
+    ({"chunk_size": "lots"}, "chunk_size"), ({"sink": "4"}, "sink"), ({"layerwise": "maybe"}, "layerwise"),
 ])
 def test_bad_options_are_refused_naming_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
@@ -142,3 +142,32 @@ def test_the_fused_cpu_pass_equals_sdpa_plus_the_blockwise_scores(chunk):
                                                                 enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scores, naive_scores(query, key, 0.35, chunk), rtol=1e-5, atol=1e-6)
+
+
+def kept_score(scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> float:
+    """The summed score each layer's heads keep with their ``budgets[layer]`` best slots."""
+    return sum(float(s.sort(dim=-1, descending=True).values[..., : budgets[layer]].sum()) for layer, s in scores.items())
+
+
+def test_the_default_shares_the_budget_by_score_and_layerwise_keeps_it_uniform():
+    layer0 = torch.tensor([[[9.0, 8, 7, 6, 5, 4], [4.0, 5, 6, 7, 8, 9]]])  # every slot scores high
+    layer1 = torch.tensor([[[10.0, 1, 1, 1, 1, 1], [1.0, 10, 1, 1, 1, 1]]])  # one slot per head matters
+    scores, uniform = {0: layer0, 1: layer1}, {0: 3, 1: 3}
+    assert build_policy("kvzip", 3).allocate(scores, uniform) == {0: 5, 1: 1}
+    assert build_policy("kvzip", 3, {"layerwise": "true"}).allocate(scores, uniform) == uniform
+    assert build_policy("kvzip", 3).allocate({0: layer0}, {0: 3}) == {0: 3}  # one layer: nothing to share
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_shares_keep_the_most_score_any_split_of_the_same_memory_can(seed):
+    """Brute force over every split of the total (each layer at least one slot per head)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(seed)
+    layers, n, budget = 3, 7, 3
+    scores = {layer: torch.rand(1, 2, n, generator=g) ** (1 + 3 * layer % 4) for layer in range(layers)}
+    shares = build_policy("kvzip", budget).allocate(scores, dict.fromkeys(range(layers), budget))
+    assert sum(shares.values()) == layers * budget and min(shares.values()) >= 1
+    best = max(kept_score(scores, dict(enumerate(split)))
+               for split in itertools.product(range(1, n + 1), repeat=layers) if sum(split) == layers * budget)
+    assert kept_score(scores, shares) == pytest.approx(best)

@@ -166,6 +166,7 @@ class RunContext:
     reconstruction: ReconstructionChunk | None = None  #: the reconstruction forward in progress, if any
     reconstruction_region: int = 0  #: positions ``0 .. region - 1`` the reconstruction scores
     _reconstruction_scores: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer ``[b, kv_heads, region]``
+    allocated_budgets: dict[int, int] = field(default_factory=dict)  #: per layer, budgets a reconstruction allocated
     _token_ids: torch.Tensor | None = None  #: ``[b, seen]`` ids fed so far, kept only for policies that need them
 
     def __post_init__(self) -> None:
@@ -336,7 +337,9 @@ class RunContext:
     def layer_budget(self, layer: int) -> int | None:
         """The policy's budget for layer ``layer`` now; a sliding layer's only where it is below the window."""
         cache_layer = self.cache.layers[layer]
-        budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
+        budget = self.allocated_budgets.get(layer)
+        if budget is None:
+            budget = self.policy.layer_budget(layer, self.num_layers, cache_layer.seen)
         window = cache_layer.window
         return None if budget is None or (window is not None and budget >= window) else budget
 
@@ -457,7 +460,9 @@ class RunContext:
         self.cache.layers[layer].truncate(len(chunk.ids))
 
     def finish_reconstruction(self) -> None:
-        """Score every layer by its reconstruction attention and evict to the budget (step 0 events)."""
+        """Score every layer by its reconstruction attention, let the policy share the budget among the layers
+        that compress (:meth:`Policy.allocate`) and evict to it (step 0 events)."""
+        scored: dict[int, torch.Tensor] = {}
         for layer, cache_layer in enumerate(self.cache.layers):
             positions = cache_layer.positions
             assert positions is not None
@@ -465,7 +470,14 @@ class RunContext:
             scores = self._reconstruction_scores.pop(layer, default.to(positions.device))  # sliding: the newest first
             obs = Observation(layer=layer, num_layers=self.num_layers, step=0, prefill=True, positions=positions,
                               keys=cache_layer.keys, attention=scores, state=None, seed=self.seed)
-            scores, cache_layer.state = self.policy.score(obs)
+            scored[layer], cache_layer.state = self.policy.score(obs)
+        uniform = {layer: budget for layer in scored if (budget := self.layer_budget(layer)) is not None
+                   and self.cache.layers[layer].window is None and scored[layer].shape[-1] > budget}
+        self.allocated_budgets = self.policy.allocate({layer: scored[layer] for layer in uniform}, uniform)
+        for layer, scores in scored.items():
+            cache_layer = self.cache.layers[layer]
+            positions = cache_layer.positions
+            assert positions is not None
             budget = self.layer_budget(layer)
             if budget is None or positions.shape[-1] <= budget:
                 continue

@@ -139,6 +139,14 @@ class Policy:
         """Slots this layer may hold per KV head (None: unbounded), once ``seen`` tokens were seen."""
         return self.budget
 
+    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int]:
+        """Per-layer budgets once every layer's region is scored at once (a reconstructing policy's pass).
+
+        ``scores``: per compressing layer ``[b, kv_heads, n]`` from :meth:`score`; ``budgets``: their
+        uniform budgets. The default keeps them; ``kvzip`` shares them out by score over all layers.
+        """
+        return dict(budgets)
+
     def bind(self, model: ModelInfo) -> None:
         """Called when a run context is created for this policy on ``model``; raise :class:`ConfigError`
         when the policy cannot run on it. The default accepts every model."""

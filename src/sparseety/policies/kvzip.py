@@ -76,6 +76,14 @@ class KVzipPolicy(Policy):
     attention each decode row gives it (the same "most attention ever received" rule as the
     reconstruction), and the newest ``window`` positions are protected so the answer being written
     is never cut. Costs one extra teacher-forced pass over the context at prefill.
+
+    Budgets across layers (kvpress's ``layerwise``): by default the layers that compress share their
+    summed budget by score, as kvpress does: every layer's heads keep the same number of slots (so a
+    layer's memory is its budget), and the per-layer numbers maximise the summed score kept over
+    all layers, for the same total memory as uniform budgets (greedy on each layer's next slot's
+    gain, its heads' next-best scores summed, which is exact since a layer's gains only decrease).
+    kvpress instead lets each head keep a different count and masks the rest, holding every slot;
+    that gives a head more than its layer's memory allows. ``layerwise=true`` keeps uniform budgets.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -87,6 +95,7 @@ class KVzipPolicy(Policy):
     sinks: int = 4
     chunk_size: int = 2048
     window: int = 32
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +119,25 @@ class KVzipPolicy(Policy):
                                               min(self.sinks, start)))
             start += len(piece)
         return chunks
+
+    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int]:
+        """Per-layer budgets for the layers in ``scores`` (each ``[b, kv_heads, n]``, after :meth:`score`).
+
+        ``budgets`` are the uniform ones. ``layerwise`` returns them; otherwise their sum is shared out
+        by score over all these layers together (see the class docstring).
+        """
+        if self.layerwise or len(scores) < 2:
+            return dict(budgets)
+        layers = sorted(scores)
+        n = scores[layers[0]].shape[-1]
+        # gain[l, j]: what layer l's (j+1)-th slot per head adds, its heads' (j+1)-th best scores summed
+        gain = torch.stack([scores[layer].float().sort(dim=-1, descending=True).values.sum(dim=(0, 1))
+                            for layer in layers])  # [L, n], non-increasing along j
+        gain[:, 0] = float("inf")  # every layer keeps at least one slot per head
+        total = sum(budgets[layer] for layer in layers)
+        won = torch.topk(gain.reshape(-1), total, sorted=False).indices // n
+        shares = torch.bincount(won, minlength=len(layers)).tolist()
+        return {layer: int(shares[i]) for i, layer in enumerate(layers)}
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert obs.attention is not None
