@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--policies", default="dense,learned,h2o,tova")
-    parser.add_argument("--label-top", type=float, default=0.1, help="learn-policy --label-top")
+    parser.add_argument("--label", default="max", help="learn-policy --label (max or sum)")
+    parser.add_argument("--label-top", type=float, default=0.02, help="learn-policy --label-top")
     parser.add_argument("--tag", default="", help="suffix of the policy file and the result JSON (a variant)")
     parser.add_argument("--reuse-traces", action="store_true", help="keep the traces (and policy) already built")
     args = parser.parse_args()
@@ -152,7 +153,8 @@ def main() -> None:
     document["trace_seconds"] = round(time.perf_counter() - started, 1)
     if not (args.reuse_traces and policy_file.exists()):
         command = [str(Path(sys.executable).parent / "sparseety"), "learn-policy", str(trace_dir), "-o", str(policy_file),
-                   "--epochs", str(args.epochs), "--label-top", str(args.label_top), "--text-source", document["train_source"], "--json"]
+                   "--epochs", str(args.epochs), "--label", args.label, "--label-top", str(args.label_top),
+                   "--text-source", document["train_source"], "--json"]
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
         if done.returncode != 0:
             raise SystemExit(f"learn-policy failed: {done.stderr}")
@@ -165,7 +167,8 @@ def main() -> None:
             if key in before:
                 document.setdefault(key, before[key])
     document["learn_command"] = (f".venv/bin/sparseety learn-policy {trace_dir.relative_to(ROOT)} -o "
-                                 f"{policy_file.relative_to(ROOT)} --epochs {args.epochs} --label-top {args.label_top} --text-source ...")
+                                 f"{policy_file.relative_to(ROOT)} --epochs {args.epochs} --label {args.label} "
+                                 f"--label-top {args.label_top} --text-source ...")
 
     cases = [c for seed in (int(s) for s in args.seeds.split(","))
              for c in make_cases([int(x) for x in args.lengths.split(",")],

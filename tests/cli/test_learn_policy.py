@@ -71,9 +71,15 @@ def test_learn_then_run_the_learned_policy(traced, tmp_path):
     assert provenance["requests"] == 4 and len(provenance["heldout_request_ids"]) == 1
     assert provenance["config"]["seed"] == 3 and provenance["metrics"] == report["metrics"]
 
-    table = invoke("learn-policy", str(traces), "-o", str(tmp_path / "again.safetensors"), "--epochs", "1")
+    assert provenance["config"]["label"] == "max" and "the maximum" in provenance["label"]
+
+    table = invoke("learn-policy", str(traces), "-o", str(tmp_path / "again.safetensors"), "--epochs", "1",
+                   "--label", "sum")
     assert table.exit_code == 0, table.output
     assert "held-out ranking quality" in table.stdout and "h2o" in table.stdout and "tova" in table.stdout
+    assert read_predictor(tmp_path / "again.safetensors").provenance["config"]["label"] == "sum"
+    bad = invoke("learn-policy", str(traces), "-o", str(tmp_path / "bad.safetensors"), "--label", "mean")
+    assert bad.exit_code == 2 and "--label must be max or sum" in bad.stderr
 
     budget, new = 12, 8
     run = invoke("run", "--model", str(folder), "--prompt", PROMPT, "--no-chat", "--policy", "learned",

@@ -237,3 +237,20 @@ def test_batched_and_chunked_prefill_keep_the_same_sets_as_alone(trained, chunk)
         assert b.output_ids == a.output_ids
         assert b.kept_positions_final == a.kept_positions_final
         np.testing.assert_array_equal(b.arrays["evicted.position"], a.arrays["evicted.position"])
+
+
+def test_the_label_is_the_most_or_the_summed_attention_later_steps_gave_each_context_position(trained):
+    from sparseety.store import connect, load_trace
+
+    _, _, path = trained
+    root = Path(read_predictor(path).provenance["trace_dir"])
+    by_max = {e.request_id: e for e in read_examples(root)}
+    by_sum = {e.request_id: e for e in read_examples(root, label="sum")}
+    ((request_id,),) = connect(root).sql("SELECT request_id FROM requests ORDER BY request_id LIMIT 1").fetchall()
+    steps = load_trace(root, request_id).arrays["step_importance"]  # [steps, layers, seen]
+    later = np.nan_to_num(steps[1:, :, :32].astype(np.float32))  # the context is the first 32 tokens
+    np.testing.assert_allclose(by_max[request_id].future, later.max(axis=0))
+    np.testing.assert_allclose(by_sum[request_id].future, later.sum(axis=0), rtol=1e-6)
+    assert "the maximum" in read_predictor(path).provenance["label"]
+    with pytest.raises(InputError, match="label must be one of max, sum"):
+        read_examples(root, label="mean")

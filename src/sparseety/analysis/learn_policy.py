@@ -4,9 +4,10 @@ Data. Each tier-3 trace holds ``step_importance`` ``[steps, layers, seen]``: for
 completed the prompt (or the context) and every later step, the attention the newest query gave each
 position, averaged over heads. Row 0 is the prefill's last row; its width is the prefill length ``C``
 (the context, under the long-document protocol). The **label** of position ``p < C`` in layer ``l`` is
-the attention it receives from every *later* step (the question forward's newest row and each decode
-step, summed): positive when ``p`` is among the top ``label_top`` fraction of the context's positions by
-that sum (the heavy hitters the answer used).
+the attention it receives from *later* steps (the question forward's newest row and each decode step):
+by default the most any one of them gave it (``label="max"``: a position one answer token needed
+counts, as KVzip scores by its maximum), or their sum (``label="sum"``); positive when ``p`` is among
+the top ``label_top`` fraction of the context's positions by it (the heavy hitters the answer used).
 
 Features. Key norms and per-KV-head attention are not in traces, so the trainer replays the prefill
 of the first ``C`` token ids (teacher-forced, on the model named in the trace, which must be on the
@@ -50,12 +51,16 @@ class TraceExample:
     model: str
     token_ids: list[int]
     context_len: int
-    future: np.ndarray  #: ``[layers, C]`` attention each context position receives from later steps
+    future: np.ndarray  #: ``[layers, C]`` attention each context position receives from later steps (max or sum)
     recorded: list[int]  #: layers whose label is not all zero
 
 
-def read_examples(trace_dir: str | Path, model: str | None = None) -> list[TraceExample]:
-    """Every tier-3 request of the dataset (of ``model`` only, when given), oldest first.
+LABELS = ("max", "sum")
+
+
+def read_examples(trace_dir: str | Path, model: str | None = None, label: str = "max") -> list[TraceExample]:
+    """Every tier-3 request of the dataset (of ``model`` only, when given), oldest first, each position's
+    later attention reduced by ``label`` (``max`` or ``sum`` over the later steps).
 
     Raises
     ------
@@ -64,6 +69,8 @@ def read_examples(trace_dir: str | Path, model: str | None = None) -> list[Trace
     """
     from sparseety.store import connect, load_trace
 
+    if label not in LABELS:
+        raise InputError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
     root = Path(trace_dir)
     if not root.is_dir():
         raise InputError(f"trace directory {root} does not exist")
@@ -83,7 +90,7 @@ def read_examples(trace_dir: str | Path, model: str | None = None) -> list[Trace
         first = steps[0, 0]
         context_len = int(np.count_nonzero(~np.isnan(first)))
         later = np.nan_to_num(steps[1:, :, :context_len].astype(np.float32), nan=0.0)
-        future = later.sum(axis=0)
+        future = later.max(axis=0) if label == "max" else later.sum(axis=0)
         recorded = [layer for layer in range(future.shape[0]) if future[layer].sum() > 0]
         ids = list(trace.document["prompt_token_ids"]) + list(trace.document["output_token_ids"])
         if context_len < 8 or not recorded or len(ids) < context_len:
@@ -172,7 +179,8 @@ class TrainConfig:
     hidden: int = 16
     lr: float = 3e-3
     weight_decay: float = 1e-4
-    label_top: float = 0.1
+    label: str = "max"  #: how ``read_examples`` reduced the later steps (recorded in the provenance)
+    label_top: float = 0.02
     holdout: float = 0.25
     max_examples: int = 300_000
     batch_size: int = 4096
@@ -312,7 +320,8 @@ def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *,
         "model_config": config_summary(engine.model),
         "features": features,
         "label": f"top {config.label_top:g} of the context's positions by attention received from later steps "
-                 "(step_importance rows after the prefill, summed), per layer",
+                 f"(step_importance rows after the prefill, {'the maximum' if config.label == 'max' else 'summed'}), "
+                 "per layer",
         "trace_dir": str(trace_dir),
         "text_source": text_source,
         "requests": len(examples),

@@ -23,7 +23,9 @@ def learn_policy_cmd(
     epochs: int = typer.Option(30, "--epochs", help="Passes over the training slots."),
     hidden: int = typer.Option(16, "--hidden", help="Hidden units of the MLP (0: a logistic model)."),
     lr: float = typer.Option(3e-3, "--lr", help="Adam learning rate."),
-    label_top: float = typer.Option(0.1, "--label-top", help="Share of the context's positions labelled as "
+    label: str = typer.Option("max", "--label", help="How a position's attention from later steps is reduced "
+                              "before ranking: max (the most one step gave it) or sum."),
+    label_top: float = typer.Option(0.02, "--label-top", help="Share of the context's positions labelled as "
                                     "heavy hitters (by attention received from later steps)."),
     holdout: float = typer.Option(0.25, "--holdout", help="Share of the requests held out for the metrics."),
     max_examples: int = typer.Option(300_000, "--max-examples", help="Training slots at most (evenly subsampled)."),
@@ -44,6 +46,7 @@ def learn_policy_cmd(
               (0 <= hidden <= 1024, f"--hidden must be in 0..1024, got {hidden}"),
               (0 < lr <= 1, f"--lr must be in (0, 1], got {lr}"),
               (0 < label_top < 1, f"--label-top must be in (0, 1), got {label_top}"),
+              (label in ("max", "sum"), f"--label must be max or sum, got {label!r}"),
               (0 <= holdout < 1, f"--holdout must be in [0, 1), got {holdout}"),
               (max_examples >= 100, f"--max-examples must be at least 100, got {max_examples}")]
     for ok, message in checks:
@@ -51,13 +54,13 @@ def learn_policy_cmd(
             raise ConfigError(message)
     if out.suffix != ".safetensors":
         raise ConfigError(f"-o must name a .safetensors file, got {out}")
-    examples = read_examples(trace_dir, model)  # before the model loads: an empty dataset fails at once
+    examples = read_examples(trace_dir, model, label)  # before the model loads: an empty dataset fails at once
     name = model or examples[0].model
     say = (lambda m: None) if quiet or as_json else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"{len(examples)} tier-3 requests of model {name}; loading it to replay their prefills")
     lm, tokenizer = load_model(name)
     engine = SparseEngine(lm, tokenizer, name)
-    config = TrainConfig(epochs=epochs, hidden=hidden, lr=lr, label_top=label_top, holdout=holdout,
+    config = TrainConfig(epochs=epochs, hidden=hidden, lr=lr, label=label, label_top=label_top, holdout=holdout,
                          max_examples=max_examples, seed=seed)
     result = learn(engine, examples, config, trace_dir=str(trace_dir), text_source=text_source, on_progress=say)
     path = result.predictor.save(out)
