@@ -424,9 +424,14 @@ class RunContext:
         if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
             scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                              positions >= cache_layer.seen - self.drafts_in_forward)
-        evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
+        self._evict(layer, scores, budget, self.step)
+
+    def _evict(self, layer: int, scores: torch.Tensor, budget: int, step: int) -> None:
+        """Keep layer ``layer``'s ``budget`` best slots by ``scores`` ``[b, kv_heads, n]``; record the rest at ``step``."""
+        cache_layer = self.cache.layers[layer]
+        evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, cache_layer.positions))
         if self.tier >= 1:
-            self.evictions.add(self.step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+            self.evictions.add(step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
 
     # -- a reconstructing policy's own pass (kvzip) --------------------------------------------------
     @contextlib.contextmanager
@@ -475,16 +480,9 @@ class RunContext:
                    and self.cache.layers[layer].window is None and scored[layer].shape[-1] > budget}
         self.allocated_budgets = self.policy.allocate({layer: scored[layer] for layer in uniform}, uniform)
         for layer, scores in scored.items():
-            cache_layer = self.cache.layers[layer]
-            positions = cache_layer.positions
-            assert positions is not None
             budget = self.layer_budget(layer)
-            if budget is None or positions.shape[-1] <= budget:
-                continue
-            scores = hidden_first(scores, cache_layer)
-            evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, positions))
-            if self.tier >= 1:
-                self.evictions.add(0, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+            if budget is not None and scores.shape[-1] > budget:
+                self._evict(layer, hidden_first(scores, self.cache.layers[layer]), budget, 0)
         self.reconstruction_pending = False
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
 
