@@ -37,7 +37,7 @@ def learn_policy_cmd(
 ) -> None:
     """Replay each traced prefill, label positions by the attention later steps gave them, fit a tiny predictor,
     print its held-out ranking quality against h2o, tova and recency, and write it with its provenance."""
-    from sparseety.analysis.learn_policy import TrainConfig, learn, read_examples
+    from sparseety.analysis.learn_policy import LABELS, TrainConfig, learn, read_examples
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
@@ -46,7 +46,7 @@ def learn_policy_cmd(
               (0 <= hidden <= 1024, f"--hidden must be in 0..1024, got {hidden}"),
               (0 < lr <= 1, f"--lr must be in (0, 1], got {lr}"),
               (0 < label_top < 1, f"--label-top must be in (0, 1), got {label_top}"),
-              (label in ("max", "sum"), f"--label must be max or sum, got {label!r}"),
+              (label in LABELS, f"--label must be {' or '.join(LABELS)}, got {label!r}"),
               (0 <= holdout < 1, f"--holdout must be in [0, 1), got {holdout}"),
               (max_examples >= 100, f"--max-examples must be at least 100, got {max_examples}")]
     for ok, message in checks:
