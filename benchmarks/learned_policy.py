@@ -2,8 +2,8 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/learned_policy.py [--train-cases 24] [--lengths 1000,1500,2000]
-                                                  [--depths 0.1,0.5,0.9] [--seeds 0,1] [--ratio 0.5]
+    .venv/bin/python benchmarks/learned_policy.py [--train-cases 64] [--lengths 1000,1500,2000]
+                                                  [--depths 0.1,0.5,0.9] [--seeds 0,1,2,3] [--ratio 0.5]
 
 1. **Training traces** (``benchmarks/results/learned_policy/traces``): retrieval questions about
    documents made of sentences of *Python's own docstrings* (the standard library modules listed in
@@ -113,11 +113,11 @@ def build_traces(engine, tokenizer, cases: int, trace_dir: Path, lengths: list[i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-cases", type=int, default=24)
+    parser.add_argument("--train-cases", type=int, default=64)
     parser.add_argument("--train-lengths", default="600,900,1200")
     parser.add_argument("--lengths", default="1000,1500,2000")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--seeds", default="0,1,2,3")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--policies", default="dense,learned,h2o,tova")
