@@ -79,7 +79,7 @@ def test_learn_then_run_the_learned_policy(traced, tmp_path):
     assert "held-out ranking quality" in table.stdout and "h2o" in table.stdout and "tova" in table.stdout
     assert read_predictor(tmp_path / "again.safetensors").provenance["config"]["label"] == "sum"
     bad = invoke("learn-policy", str(traces), "-o", str(tmp_path / "bad.safetensors"), "--label", "mean")
-    assert bad.exit_code == 2 and "--label must be max or sum" in bad.stderr
+    assert bad.exit_code == 2 and "--label must be one of max, sum, question" in bad.stderr
 
     budget, new = 12, 8
     run = invoke("run", "--model", str(folder), "--prompt", PROMPT, "--no-chat", "--policy", "learned",

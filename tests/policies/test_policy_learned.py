@@ -246,11 +246,13 @@ def test_the_label_is_the_most_or_the_summed_attention_later_steps_gave_each_con
     root = Path(read_predictor(path).provenance["trace_dir"])
     by_max = {e.request_id: e for e in read_examples(root)}
     by_sum = {e.request_id: e for e in read_examples(root, label="sum")}
+    by_question = {e.request_id: e for e in read_examples(root, label="question")}
     ((request_id,),) = connect(root).sql("SELECT request_id FROM requests ORDER BY request_id LIMIT 1").fetchall()
     steps = load_trace(root, request_id).arrays["step_importance"]  # [steps, layers, seen]
     later = np.nan_to_num(steps[1:, :, :32].astype(np.float32))  # the context is the first 32 tokens
     np.testing.assert_allclose(by_max[request_id].future, later.max(axis=0))
     np.testing.assert_allclose(by_sum[request_id].future, later.sum(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(by_question[request_id].future, later[0])  # the first row after the prefill
     assert "the maximum" in read_predictor(path).provenance["label"]
-    with pytest.raises(InputError, match="label must be one of max, sum"):
+    with pytest.raises(InputError, match="label must be one of max, sum, question"):
         read_examples(root, label="mean")

@@ -6,7 +6,10 @@ position, averaged over heads. Row 0 is the prefill's last row; its width is the
 (the context, under the long-document protocol). The **label** of position ``p < C`` in layer ``l`` is
 the attention it receives from *later* steps (the question forward's newest row and each decode step):
 by default the most any one of them gave it (``label="max"``: a position one answer token needed
-counts, as KVzip scores by its maximum), or their sum (``label="sum"``); positive when ``p`` is among
+counts, as KVzip scores by its maximum), their sum (``label="sum"``), or the question forward's row
+alone (``label="question"``: the first row after the prefill, the attention of the query that writes
+the first answer token; what a later question needs, without the sinks and recent tokens decode
+steps favour); positive when ``p`` is among
 the top ``label_top`` fraction of the context's positions by it (the heavy hitters the answer used).
 
 Features. Key norms and per-KV-head attention are not in traces, so the trainer replays the prefill
@@ -55,12 +58,13 @@ class TraceExample:
     recorded: list[int]  #: layers whose label is not all zero
 
 
-LABELS = ("max", "sum")
+LABELS = ("max", "sum", "question")
+LABEL_WORDS = {"max": "the maximum", "sum": "summed", "question": "the question forward's row only"}
 
 
 def read_examples(trace_dir: str | Path, model: str | None = None, label: str = "max") -> list[TraceExample]:
     """Every tier-3 request of the dataset (of ``model`` only, when given), oldest first, each position's
-    later attention reduced by ``label`` (``max`` or ``sum`` over the later steps).
+    later attention reduced by ``label`` (``max`` or ``sum`` over the later steps, or ``question``: step 1's row).
 
     Raises
     ------
@@ -90,7 +94,7 @@ def read_examples(trace_dir: str | Path, model: str | None = None, label: str = 
         first = steps[0, 0]
         context_len = int(np.count_nonzero(~np.isnan(first)))
         later = np.nan_to_num(steps[1:, :, :context_len].astype(np.float32), nan=0.0)
-        future = later.max(axis=0) if label == "max" else later.sum(axis=0)
+        future = {"max": later.max(axis=0), "sum": later.sum(axis=0), "question": later[0]}[label]
         recorded = [layer for layer in range(future.shape[0]) if future[layer].sum() > 0]
         ids = list(trace.document["prompt_token_ids"]) + list(trace.document["output_token_ids"])
         if context_len < 8 or not recorded or len(ids) < context_len:
@@ -320,8 +324,7 @@ def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *,
         "model_config": config_summary(engine.model),
         "features": features,
         "label": f"top {config.label_top:g} of the context's positions by attention received from later steps "
-                 f"(step_importance rows after the prefill, {'the maximum' if config.label == 'max' else 'summed'}), "
-                 "per layer",
+                 f"(step_importance rows after the prefill, {LABEL_WORDS[config.label]}), per layer",
         "trace_dir": str(trace_dir),
         "text_source": text_source,
         "requests": len(examples),

@@ -24,7 +24,8 @@ def learn_policy_cmd(
     hidden: int = typer.Option(16, "--hidden", help="Hidden units of the MLP (0: a logistic model)."),
     lr: float = typer.Option(3e-3, "--lr", help="Adam learning rate."),
     label: str = typer.Option("max", "--label", help="How a position's attention from later steps is reduced "
-                              "before ranking: max (the most one step gave it) or sum."),
+                              "before ranking: max (the most one step gave it), sum, or question (the question forward's "
+                              "row only: the query that writes the first answer token)."),
     label_top: float = typer.Option(0.02, "--label-top", help="Share of the context's positions labelled as "
                                     "heavy hitters (by attention received from later steps)."),
     holdout: float = typer.Option(0.25, "--holdout", help="Share of the requests held out for the metrics."),
@@ -46,7 +47,7 @@ def learn_policy_cmd(
               (0 <= hidden <= 1024, f"--hidden must be in 0..1024, got {hidden}"),
               (0 < lr <= 1, f"--lr must be in (0, 1], got {lr}"),
               (0 < label_top < 1, f"--label-top must be in (0, 1), got {label_top}"),
-              (label in LABELS, f"--label must be {' or '.join(LABELS)}, got {label!r}"),
+              (label in LABELS, f"--label must be one of {', '.join(LABELS)}, got {label!r}"),
               (0 <= holdout < 1, f"--holdout must be in [0, 1), got {holdout}"),
               (max_examples >= 100, f"--max-examples must be at least 100, got {max_examples}")]
     for ok, message in checks:
