@@ -6,17 +6,12 @@ import numpy as np
 import pytest
 from tiny_models import prompt_ids
 
-from sparseety.analysis.bias import (
-    POSITION_BUCKETS,
-    TOKEN_CLASSES,
-    bias_report,
-    position_bucket,
-    token_class,
-)
+from sparseety.analysis.bias import POSITION_BUCKETS, bias_report, position_bucket
 from sparseety.engine import EncodedInput
 from sparseety.errors import RecordError
 from sparseety.policies import build_policy
 from sparseety.store import load_trace, write_trace
+from sparseety.token_classes import TOKEN_CLASSES, token_class
 
 
 @pytest.mark.parametrize(("text", "special", "expected"), [

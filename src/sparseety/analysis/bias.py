@@ -8,36 +8,19 @@ every class at the overall kept fraction.
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sparseety.errors import RecordError
+from sparseety.token_classes import TOKEN_CLASSES, token_class
 
 if TYPE_CHECKING:
     from sparseety.store import StoredTrace
 
-TOKEN_CLASSES = ("special", "punctuation", "digits", "words", "whitespace")
 POSITION_BUCKETS = ("sinks", "early", "middle", "recent")
 SINKS = 4
-_SPECIAL_TEXT = re.compile(r"^(<\|[^<>|]*\|>|</?s>|<(pad|unk|bos|eos|mask|cls|sep)>|\[(PAD|UNK|CLS|SEP|MASK)\])$")
-
-
-def token_class(text: str, special: bool = False) -> str:
-    """One of :data:`TOKEN_CLASSES` for a token's text (``special`` for special-token ids)."""
-    if special or _SPECIAL_TEXT.match(text):
-        return "special"
-    stripped = text.strip()
-    if not stripped:
-        return "whitespace"
-    if stripped.isdigit():
-        return "digits"
-    if all(unicodedata.category(c)[0] in "PS" for c in stripped):
-        return "punctuation"
-    return "words"
 
 
 def position_bucket(position: int, seen: int) -> str:

@@ -14,7 +14,7 @@ with ``p`` the slot's position, ``N`` the newest position the head holds and ``n
                         that gets the uniform share ``1 / n`` scores ``log(1.001)``
 ``log_attention_max``   the same for the highest ``n * a`` the slot ever received (carried as the
                         policy's per-slot state; equal to ``log_attention_now`` at prefill)
-``class=<c>``           one-hot token class (:data:`sparseety.analysis.bias.TOKEN_CLASSES`: special,
+``class=<c>``           one-hot token class (:data:`sparseety.token_classes.TOKEN_CLASSES`: special,
                         punctuation, digits, words, whitespace) from a per-vocabulary table stored with
                         the predictor; all zero for an unknown id
 ``layer=<l>``           one-hot layer
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-TOKEN_CLASSES = ("special", "punctuation", "digits", "words", "whitespace")  # = analysis.bias.TOKEN_CLASSES
+from sparseety.token_classes import TOKEN_CLASSES, token_class
+
 BASE_FEATURES = ("rel_position", "log_position", "log_recency", "key_norm_z", "log_attention_now",
                  "log_attention_max")
 CLASS_FEATURES = tuple(f"class={c}" for c in TOKEN_CLASSES)
@@ -94,8 +95,6 @@ def slot_features(positions: torch.Tensor, keys: torch.Tensor, attention: torch.
 
 def class_table_for(tokenizer: object, vocab_size: int) -> torch.Tensor:
     """``[vocab_size]`` int8 class index per token id, from the tokenizer's text of each id."""
-    from sparseety.analysis.bias import token_class
-
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     known = min(vocab_size, len(tokenizer))  # type: ignore[arg-type]
     texts = tokenizer.batch_decode([[i] for i in range(known)])  # type: ignore[attr-defined]
