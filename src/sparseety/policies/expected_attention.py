@@ -80,11 +80,11 @@ def expected_scores(keys: torch.Tensor, values: torch.Tensor, mu: torch.Tensor, 
     g = mu.shape[1] // kvh
     k = keys.float()
     # one GEMM per KV head: [g, d] @ [d, n] (measured faster on CPU than [n, d] @ [d, g] for g of 1-8)
-    logits = (mu.view(b, kvh, g, d) @ k.transpose(-1, -2)) / math.sqrt(d)  # [b, kvh, g, n]
+    logits = (mu.view(b, kvh, g, d) @ k.transpose(-1, -2)).div_(math.sqrt(d))  # [b, kvh, g, n]
     if cov is not None:  # k^T S_g k for every query head g of the group: [n, d] @ [d, g * d]
         kc = (k @ cov.view(b, kvh, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, kvh, d, g * d)).view(b, kvh, n, g, d)
         logits = logits + ((kc * k.unsqueeze(3)).sum(dim=-1) / d / 2).transpose(-1, -2)
-    logits = logits.masked_fill(~scored.unsqueeze(2), float("-inf"))
+    logits.masked_fill_(~scored.unsqueeze(2), float("-inf"))
     if only_last:  # a decode step: normalise over every scored slot, keep only the newest
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [b, kvh, g, 1]
         probs = (logits[..., n - only_last:] - lse).exp()
@@ -162,8 +162,7 @@ class ExpectedAttentionPolicy(Policy):
         if not obs.prefill and obs.state is not None:  # older slots keep the score they arrived with
             fresh = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon),
                                     only_last=w)
-            scores = obs.state.clone()
-            scores[..., n - w:] = fresh
+            scores = torch.cat([obs.state[..., : n - w], fresh], dim=-1)
         else:
             scores = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon))
         scores = protect(scores, sinks)
