@@ -153,6 +153,8 @@ class ExpectedAttentionPolicy(Policy):
         assert obs.queries is not None and obs.values is not None, "expected_attention needs queries and values"
         keys, positions = obs.keys, obs.positions
         n, w = keys.shape[2], obs.queries.shape[2]
+        if not obs.prefill and obs.state is not None and w == 1 and obs.rotary is not None and keys.shape[0] == 1:
+            return self._decode_step(obs)
         future = int(positions.amax()) + 1
         # [b, w] positions of the query rows: the newest w tokens fed (a sliding layer may no longer hold them all)
         rows = torch.arange(future - w, future, device=positions.device).expand(positions.shape[0], w)
@@ -166,4 +168,24 @@ class ExpectedAttentionPolicy(Policy):
         else:
             scores = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon))
         scores = protect(scores, sinks)
+        return scores, scores
+
+    def _decode_step(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode row (``b == 1``, RoPE): the rule of :meth:`score` in as few tensor ops as it takes.
+
+        The row is the newest position, so its statistics rotate ahead by one position
+        (``R(p + 1 ..) R(-p) = R(1 ..)``); the ``1 / sqrt(d)`` is folded into ``mu`` (``[1, heads, d]``).
+        """
+        assert obs.queries is not None and obs.values is not None and obs.rotary is not None and obs.state is not None
+        keys, positions = obs.keys, obs.positions
+        kvh, d = keys.shape[1], keys.shape[3]
+        mu = mean_rotate(obs.queries[:, :, 0].float(), *_coefficients(1, self.n_future_positions, obs.rotary))
+        mu = mu.mul_(1.0 / math.sqrt(d)).view(1, kvh, -1, d)
+        logits = mu @ keys.float().transpose(-1, -2)  # [1, kvh, g, n]
+        sinks = positions < self.n_sink
+        logits.masked_fill_(sinks.unsqueeze(2), float("-inf"))
+        fresh = torch.softmax(logits, dim=-1)[..., -1].nan_to_num_(nan=0.0).mean(dim=-1)  # [1, kvh]
+        if self.use_vnorm:
+            fresh = (fresh + float(self.epsilon)) * obs.values[:, :, -1].float().norm(dim=-1)
+        scores = protect(torch.cat([obs.state[..., :-1], fresh.unsqueeze(-1)], dim=-1), sinks)
         return scores, scores
