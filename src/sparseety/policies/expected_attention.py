@@ -46,9 +46,6 @@ def query_statistics(queries: torch.Tensor, positions: torch.Tensor, rotary: tor
     mu : ``[b, heads, d]`` and cov : ``[b, heads, d, d]`` (None without ``covariance``), float32.
     """
     b, h, w, d = queries.shape
-    if w == 1 and rotary is not None and b == 1:  # a decode step: R(future..) R(-p) q in one averaged rotation
-        offset = future - int(positions[0, 0])
-        return mean_rotate(queries[:, :, 0].float(), *_coefficients(offset, n_future, rotary)), None
     pre = queries.float() if rotary is None else unrotate(queries, positions.unsqueeze(1), rotary)
     used = (positions >= n_sink).to(torch.float32)  # [b, w]
     used = torch.where(used.sum(dim=-1, keepdim=True) > 0, used, torch.ones_like(used))
@@ -85,12 +82,10 @@ def expected_scores(keys: torch.Tensor, values: torch.Tensor, mu: torch.Tensor, 
         kc = (k @ cov.view(b, kvh, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, kvh, d, g * d)).view(b, kvh, n, g, d)
         logits = logits + ((kc * k.unsqueeze(3)).sum(dim=-1) / d / 2).transpose(-1, -2)
     logits.masked_fill_(~scored.unsqueeze(2), float("-inf"))
-    if only_last:  # a decode step: normalise over every scored slot, keep only the newest
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [b, kvh, g, 1]
-        probs = (logits[..., n - only_last:] - lse).exp()
+    probs = torch.softmax(logits, dim=-1)
+    if only_last:  # a decode step: normalised over every scored slot, only the newest kept
+        probs = probs[..., n - only_last:]
         values, scored = values[:, :, n - only_last:], scored[..., n - only_last:]
-    else:
-        probs = torch.softmax(logits, dim=-1)
     probs = torch.nan_to_num(probs.mean(dim=2), nan=0.0)  # [b, kvh, n or only_last]
     if use_vnorm:
         probs = (probs + epsilon) * values.float().norm(dim=-1)
@@ -153,14 +148,16 @@ class ExpectedAttentionPolicy(Policy):
         assert obs.queries is not None and obs.values is not None, "expected_attention needs queries and values"
         keys, positions = obs.keys, obs.positions
         n, w = keys.shape[2], obs.queries.shape[2]
-        if not obs.prefill and obs.state is not None and w == 1 and obs.rotary is not None and keys.shape[0] == 1:
-            return self._decode_step(obs)
-        future = int(positions.amax()) + 1
-        # [b, w] positions of the query rows: the newest w tokens fed (a sliding layer may no longer hold them all)
-        rows = torch.arange(future - w, future, device=positions.device).expand(positions.shape[0], w)
+        if w == 1 and obs.rotary is not None and keys.shape[0] == 1:
+            # one row (a decode step), the newest position p: R(p + 1 ..) R(-p) = R(1 ..), one averaged rotation
+            mu, cov = mean_rotate(obs.queries[:, :, 0].float(), *_coefficients(1, self.n_future_positions, obs.rotary)), None
+        else:
+            future = int(positions.amax()) + 1
+            # [b, w] positions of the query rows: the newest w tokens fed (a sliding layer may no longer hold them all)
+            rows = torch.arange(future - w, future, device=positions.device).expand(positions.shape[0], w)
+            mu, cov = query_statistics(obs.queries, rows, obs.rotary, self.n_sink, future, self.n_future_positions,
+                                       self.use_covariance)
         sinks = positions < self.n_sink
-        mu, cov = query_statistics(obs.queries, rows, obs.rotary, self.n_sink, future, self.n_future_positions,
-                                   self.use_covariance)
         if not obs.prefill and obs.state is not None:  # older slots keep the score they arrived with
             fresh = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon),
                                     only_last=w)
@@ -168,24 +165,4 @@ class ExpectedAttentionPolicy(Policy):
         else:
             scores = expected_scores(keys, obs.values, mu, cov, ~sinks, self.use_vnorm, float(self.epsilon))
         scores = protect(scores, sinks)
-        return scores, scores
-
-    def _decode_step(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode row (``b == 1``, RoPE): the rule of :meth:`score` in as few tensor ops as it takes.
-
-        The row is the newest position, so its statistics rotate ahead by one position
-        (``R(p + 1 ..) R(-p) = R(1 ..)``); the ``1 / sqrt(d)`` is folded into ``mu`` (``[1, heads, d]``).
-        """
-        assert obs.queries is not None and obs.values is not None and obs.rotary is not None and obs.state is not None
-        keys, positions = obs.keys, obs.positions
-        kvh, d = keys.shape[1], keys.shape[3]
-        mu = mean_rotate(obs.queries[:, :, 0].float(), *_coefficients(1, self.n_future_positions, obs.rotary))
-        mu = mu.mul_(1.0 / math.sqrt(d)).view(1, kvh, -1, d)
-        logits = mu @ keys.float().transpose(-1, -2)  # [1, kvh, g, n]
-        sinks = positions < self.n_sink
-        logits.masked_fill_(sinks.unsqueeze(2), float("-inf"))
-        fresh = torch.softmax(logits, dim=-1)[..., -1].nan_to_num_(nan=0.0).mean(dim=-1)  # [1, kvh]
-        if self.use_vnorm:
-            fresh = (fresh + float(self.epsilon)) * obs.values[:, :, -1].float().norm(dim=-1)
-        scores = protect(torch.cat([obs.state[..., :-1], fresh.unsqueeze(-1)], dim=-1), sinks)
         return scores, scores
