@@ -8,8 +8,8 @@ the attention it receives from *later* steps (the question forward's newest row 
 by default the most any one of them gave it (``label="max"``: a position one answer token needed
 counts, as KVzip scores by its maximum), their sum (``label="sum"``), or the question forward's row
 alone (``label="question"``: the first row after the prefill, the attention of the query that writes
-the first answer token; what a later question needs, without the sinks and recent tokens decode
-steps favour); positive when ``p`` is among
+the first answer token; on the passkey benchmark it trains a much worse predictor, see the README);
+positive when ``p`` is among
 the top ``label_top`` fraction of the context's positions by it (the heavy hitters the answer used).
 
 Features. Key norms and per-KV-head attention are not in traces, so the trainer replays the prefill
