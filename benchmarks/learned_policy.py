@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--policies", default="dense,learned,h2o,tova")
-    parser.add_argument("--label", default="max", help="learn-policy --label (max or sum)")
+    parser.add_argument("--label", default="max", help="learn-policy --label (max, sum or question)")
     parser.add_argument("--label-top", type=float, default=0.02, help="learn-policy --label-top")
     parser.add_argument("--tag", default="", help="suffix of the policy file and the result JSON (a variant); the "
                         "traces are shared: without --reuse-traces a tagged run rebuilds them, replacing those the "

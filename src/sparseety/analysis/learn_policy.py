@@ -54,7 +54,7 @@ class TraceExample:
     model: str
     token_ids: list[int]
     context_len: int
-    future: np.ndarray  #: ``[layers, C]`` attention each context position receives from later steps (max or sum)
+    future: np.ndarray  #: ``[layers, C]`` attention each context position receives from later steps (by the label)
     recorded: list[int]  #: layers whose label is not all zero
 
 
