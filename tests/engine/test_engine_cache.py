@@ -81,4 +81,24 @@ def test_cache_counts_cropped_tokens_and_sums_bytes():
     assert cache.nbytes() == 3 * 2 * (2 * 5 * 4 * 4)
     cache.crop(-2)
     assert cache.cropped_tokens == 2 and cache.get_seq_length() == 3
-    assert [p.shape[-1] for p in cache.kept_positions()] == [3, 3, 3]
+    assert [[p.tolist() for p in heads] for heads in cache.kept_positions()] == [[[0, 1, 2]] * 2] * 3
+
+
+def test_a_split_layer_holds_each_heads_own_slots_and_only_those_bytes():
+    layer = SparseLayer()
+    keys = torch.arange(3 * 6 * 4, dtype=torch.float32).reshape(1, 3, 6, 4)
+    layer.update(keys, -keys)
+    evicted = layer.split([torch.tensor([0, 5]), torch.tensor([1, 2, 3, 4]), torch.tensor([2])], budgets=[2, 4, 1])
+    assert [e[1][0, 0].tolist() for e in evicted] == [[1, 2, 3, 4], [0, 5], [0, 1, 3, 4, 5]]
+    assert [h.positions[0, 0].tolist() for h in layer.heads] == [[0, 5], [1, 2, 3, 4], [2]]
+    assert torch.equal(layer.heads[1].keys[0, 0], keys[0, 1, 1:5]) and torch.equal(layer.heads[2].values[0, 0], -keys[0, 2, 2:3])
+    assert layer.nbytes() == 2 * (2 + 4 + 1) * 4 * 4 and layer.num_slots() == 4
+    assert layer.positions is None and layer.head_budgets == [2, 4, 1]
+    new = torch.full((1, 3, 1, 4), 7.0)
+    layer.update(new, new)
+    assert layer.seen == 7 and [h.positions[0, 0].tolist() for h in layer.heads] == [[0, 5, 6], [1, 2, 3, 4, 6], [2, 6]]
+    assert SparseCache(1).kept_positions() == [None]
+    layer.crop(-1)
+    assert layer.seen == 6 and [h.num_slots() for h in layer.heads] == [2, 4, 1]
+    with pytest.raises(RuntimeError, match="split per head"):
+        layer.truncate(1)

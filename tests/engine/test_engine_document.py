@@ -16,7 +16,9 @@ CONTEXT, QUESTION, NEW, BUDGET = 40, 8, 8, 12
 POLICIES = [
     ("streaming", {}), ("h2o", {}), ("snapkv", {"window": "4"}), ("tova", {}), ("knorm", {}), ("random", {}),
     ("pyramid", {"window": "4", "beta": "4"}), ("kvzip", {"layerwise": "true"}),
+    ("kvzip", {"layerwise": "true", "per_head": "false"}),
 ]
+POLICY_IDS = [name + ("-shared" if opts.get("per_head") == "false" else "") for name, opts in POLICIES]
 
 
 def document() -> EncodedInput:
@@ -25,7 +27,7 @@ def document() -> EncodedInput:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
-@pytest.mark.parametrize(("name", "opts"), POLICIES, ids=[p[0] for p in POLICIES])
+@pytest.mark.parametrize(("name", "opts"), POLICIES, ids=POLICY_IDS)
 def test_only_the_context_is_compressed_and_only_at_step_0(name, opts, family, engine_for):
     engine = engine_for(family)
     policy = build_policy(name, BUDGET, opts)
@@ -37,14 +39,19 @@ def test_only_the_context_is_compressed_and_only_at_step_0(name, opts, family, e
     assert a["evicted.position"].max() < CONTEXT
     for layer in range(engine.num_layers):
         budget = policy.layer_budget(layer, engine.num_layers)
+        counts = []  # context slots each head kept
         for head in range(KV_HEADS):
             sel = (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
             evicted = a["evicted.position"][sel]
-            assert evicted.size == CONTEXT - budget
             kept = result.kept_positions_final[str(layer)][str(head)]
             assert set(range(CONTEXT, seen)) <= set(kept), "a question or answer token was evicted"
             assert sorted(set(kept) | set(evicted.tolist())) == list(range(seen))
-            assert len(kept) == budget + seen - CONTEXT
+            counts.append(len(kept) - (seen - CONTEXT))
+            assert evicted.size == CONTEXT - counts[-1]
+        if policy.splits_heads:  # each head its own count, the layer's memory its budget (layerwise)
+            assert sum(counts) == budget * KV_HEADS
+        else:
+            assert counts == [budget] * KV_HEADS
 
 
 def test_document_protocol_with_dense_equals_plain_greedy(engine_for, greedy_reference):

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from sparseety.analysis.fidelity import teacher_forced_logprobs
 from sparseety.engine import EncodedInput
 from sparseety.engine.request import GenerationOptions
-from sparseety.errors import ConfigError, SparseetyError
+from sparseety.errors import ConfigError, InputError, SparseetyError
 from sparseety.policies import build_policy
 from sparseety.policies.kvzip import PREVIOUS_TAIL, REPEAT_PART_PROMPT, REPEAT_PROMPT
 from sparseety.policies.prune import parse_prune_schedule
@@ -43,8 +43,19 @@ def reference_budgets(scores: torch.Tensor, budget: int) -> list[int]:
     return shares
 
 
+def reference_head_counts(scores: torch.Tensor, budget: int, layers: list[int]) -> dict[int, list[int]]:
+    """Per layer of ``layers``, per KV head: how many of the best ``len(layers) x heads x budget`` slots over
+    all of them (ties: lower layer, head, position) it holds, at least one."""
+    cells = [(-float(scores[layer, head, p]), layer, head, p)
+             for layer in layers for head in range(KV_HEADS) for p in range(scores.shape[-1])]
+    won = sorted(cells)[: len(layers) * KV_HEADS * budget]
+    return {layer: [max(1, sum(1 for c in won if c[1] == layer and c[2] == head)) for head in range(KV_HEADS)]
+            for layer in layers}
+
+
 def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int = 4,
-                   chunk_size: int = 2048, layerwise: bool = False) -> dict[int, list[list[int]]]:
+                   chunk_size: int = 2048, layerwise: bool = False,
+                   per_head: bool = True) -> dict[int, list[list[int]]]:
     """Per layer, per KV head: the positions KVzip keeps, computed from eager attention on a DynamicCache."""
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     suffix = enc("\n")  # no chat template
@@ -72,13 +83,18 @@ def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int
             cache.crop(-q)
             start += len(piece)
     scores[..., :sinks] = float("inf")
-    budgets = [budget] * layers if layerwise else reference_budgets(scores, budget)
+    if per_head:
+        groups = [[layer] for layer in range(layers)] if layerwise else [list(range(layers))]
+        counts = {layer: c for group in groups for layer, c in reference_head_counts(scores, budget, group).items()}
+    else:
+        shares = [budget] * layers if layerwise else reference_budgets(scores, budget)
+        counts = {layer: [shares[layer]] * KV_HEADS for layer in range(layers)}
     kept = {}
     for layer in range(layers):
         kept[layer] = []
         for head in range(KV_HEADS):
             order = sorted(range(n), key=lambda p: (-float(scores[layer, head, p]), p))
-            kept[layer].append(sorted(order[: budgets[layer]]))
+            kept[layer].append(sorted(order[: counts[layer][head]]))
     return kept
 
 
@@ -86,18 +102,25 @@ def kept_of(result, layer: int, head: int) -> list[int]:
     return result.kept_positions_final[str(layer)][str(head)]
 
 
+@pytest.mark.parametrize("per_head", [True, False])
 @pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize("n, budget, chunk_size", [(60, 20, 2048), (75, 30, 16), (41, 9, 41)])
-def test_kept_sets_equal_an_eager_reimplementation(n, budget, chunk_size, layerwise, engine_for, tokenizer, eager_model):
+def test_kept_sets_equal_an_eager_reimplementation(n, budget, chunk_size, layerwise, per_head, engine_for, tokenizer,
+                                                   eager_model):
     engine = engine_for("llama")
     ids = prompt_ids(n, seed=n)
-    policy = build_policy("kvzip", budget, {"chunk_size": str(chunk_size), "layerwise": str(layerwise)})
+    policy = build_policy("kvzip", budget, {"chunk_size": str(chunk_size), "layerwise": str(layerwise),
+                                            "per_head": str(per_head)})
     result = engine.generate(EncodedInput(ids), policy, max_new_tokens=1, tier=2)
     expected = reference_kept(eager_model, tokenizer, ids[0].tolist(), budget, chunk_size=chunk_size,
-                              layerwise=layerwise)
-    if not layerwise:  # the shares differ between layers, and add up to the uniform total
-        shares = [len(expected[layer][0]) for layer in range(engine.num_layers)]
-        assert len(set(shares)) > 1 and sum(shares) == engine.num_layers * budget
+                              layerwise=layerwise, per_head=per_head)
+    counts = [len(heads) for layer in range(engine.num_layers) for heads in expected[layer]]
+    assert sum(counts) == engine.num_layers * KV_HEADS * budget  # the same memory whatever the split
+    if per_head:  # heads differ, and the cache holds exactly the kept slots
+        assert len(set(counts)) > 1
+        assert result.kv_cache_bytes_peak == sum(counts) * 2 * engine.head_dim * 4
+    elif not layerwise:  # the shares differ between layers
+        assert len(set(counts)) > 1
     for layer in range(engine.num_layers):
         for head in range(KV_HEADS):
             assert kept_of(result, layer, head) == expected[layer][head], (layer, head)
@@ -118,51 +141,64 @@ def test_the_reconstruction_leaves_no_trace(engine_for, greedy_reference):
     assert result.kv_cache_bytes_peak == result.kv_cache_bytes_dense  # the repeat pass's KV is never counted
 
 
-def test_cache_after_the_pass_holds_only_kept_context_slots(engine_for):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_cache_after_the_pass_holds_only_kept_context_slots(per_head, engine_for):
     engine = engine_for("llama")
     n, budget = 64, 24
     encoded = EncodedInput(prompt_ids(n, seed=8))
-    policy = build_policy("kvzip", budget, {"layerwise": "true"})
+    policy = build_policy("kvzip", budget, {"layerwise": "true", "per_head": str(per_head)})
     with engine.open_run(encoded, policy, tier=1) as ctx:
         engine.model(input_ids=encoded.input_ids, past_key_values=ctx.cache, use_cache=True)
         assert ctx.reconstruction_pending and not len(ctx.evictions)
         assert ctx.cache.layers[0].num_slots() == n  # eviction deferred to after the pass
         engine.reconstruct(ctx, encoded)
         assert not ctx.reconstruction_pending
-        per_slot = 2 * KV_HEADS * engine.head_dim * 4
+        per_slot = 2 * engine.head_dim * 4  # one KV head's key and value
         for layer in ctx.cache.layers:
             assert layer.seen == n and layer.get_seq_length() == n
-            assert layer.num_slots() == budget
-            assert int(layer.positions.max()) < n
-            assert layer.nbytes() == budget * per_slot
-        assert ctx.peak_bytes == engine.num_layers * budget * per_slot
+            heads = layer.heads or [layer]
+            assert (layer.heads is not None) == per_head
+            slots = [h.num_slots() * (1 if per_head else KV_HEADS) for h in heads]
+            assert sum(slots) == budget * KV_HEADS  # layerwise: the layer's memory is its budget, split or not
+            assert all(int(h.positions.max()) < n for h in heads)
+            assert layer.nbytes() == budget * KV_HEADS * per_slot
+            assert layer.allocated_bytes() < n * KV_HEADS * per_slot  # the buffers shrank with the eviction
+        assert ctx.peak_bytes == engine.num_layers * budget * KV_HEADS * per_slot
         out = engine.model(input_ids=torch.tensor([[7]]), past_key_values=ctx.cache, use_cache=True)
         assert out.logits.shape[1] == 1
-        for layer in ctx.cache.layers:  # the next token sits at position n, as if no pass had run
-            assert layer.seen == n + 1 and n in layer.positions[0, 0].tolist()
+        for layer in ctx.cache.layers:  # the next token sits at position n in every head, as if no pass had run
+            assert layer.seen == n + 1
+            assert all(n in head.positions[0, 0].tolist() for head in (layer.heads or [layer]))
+            assert all(int(head.positions[0, i].max()) == n for head in (layer.heads or [layer])
+                       for i in range(head.positions.shape[1]))
 
 
+@pytest.mark.parametrize("per_head", [True, False])
 @pytest.mark.parametrize("layerwise", [True, False])
-def test_budget_holds_every_decode_step_and_the_window_is_kept(layerwise, engine_for):
-    """Each layer's budget (uniform, or its share of the total) holds at every decode step."""
+def test_budget_holds_every_decode_step_and_the_window_is_kept(layerwise, per_head, engine_for):
+    """Each head's count (uniform, its layer's share, or its own) holds at every decode step."""
     engine = engine_for("llama")
     n, budget, window = 40, 16, 4
-    policy = build_policy("kvzip", budget, {"window": str(window), "layerwise": str(layerwise)})
+    policy = build_policy("kvzip", budget, {"window": str(window), "layerwise": str(layerwise),
+                                            "per_head": str(per_head)})
     result = engine.generate(EncodedInput(prompt_ids(n, seed=2)), policy, max_new_tokens=12, tier=2)
     a = result.arrays
-    shares = [len(kept_of(result, layer, 0)) for layer in range(engine.num_layers)]
-    assert sum(shares) == engine.num_layers * budget and (len(set(shares)) == 1) == layerwise
-    for layer in range(engine.num_layers):
-        for head in range(KV_HEADS):
-            sel = (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
-            steps, positions = a["evicted.step"][sel], a["evicted.position"][sel]
-            assert (steps == 0).sum() == n - shares[layer]
-            for step in range(1, 12):  # one new slot per step, one evicted: the budget holds
-                at = positions[steps == step]
-                assert at.size == 1
-                assert at[0] <= n + step - 1 - window, "a protected recent slot was evicted"
-                assert at[0] >= 4, "a sink was evicted"
-            assert len(kept_of(result, layer, head)) == shares[layer]
+    shares = {(layer, head): len(kept_of(result, layer, head))
+              for layer in range(engine.num_layers) for head in range(KV_HEADS)}
+    assert sum(shares.values()) == engine.num_layers * KV_HEADS * budget
+    assert (len(set(shares.values())) == 1) == (layerwise and not per_head)
+    if not per_head:
+        assert all(shares[layer, head] == shares[layer, 0] for layer, head in shares)
+    assert result.kv_cache_bytes_peak == sum(shares.values()) * 2 * engine.head_dim * 4  # held after each step
+    for (layer, head), share in shares.items():
+        sel = (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
+        steps, positions = a["evicted.step"][sel], a["evicted.position"][sel]
+        assert (steps == 0).sum() == n - share
+        for step in range(1, 12):  # one new slot per step, one evicted: the count holds
+            at = positions[steps == step]
+            assert at.size == 1
+            assert at[0] <= n + step - 1 - window, "a protected recent slot was evicted"
+            assert at[0] >= 4, "a sink was evicted"
 
 
 def test_long_document_compresses_the_context_only(engine_for, tokenizer, eager_model):
@@ -259,6 +295,13 @@ def test_what_kvzip_cannot_run_with_is_refused_by_name(engine_for):
         engine.generate(e, build_policy("kvzip", 10), max_new_tokens=3, prune=parse_prune_schedule("1:0.5"))
     with pytest.raises(SparseetyError, match="kvzip.*pruning"):
         engine.batch().add(e, build_policy("kvzip", 10), GenerationOptions(prune=parse_prune_schedule("1:0.5")))
+    with pytest.raises(InputError, match="kvzip.*each KV head.*per_head=false"):  # per-head counts: no shared top-k
+        engine.generate(e, build_policy("kvzip", 10), max_new_tokens=3, attention_topk=4)
+    with pytest.raises(InputError, match="per_head=false"):
+        engine.batch().add(e, build_policy("kvzip", 10), GenerationOptions(attention_topk=4))
+    shared = engine.generate(e, build_policy("kvzip", 10, {"per_head": "false"}), max_new_tokens=3, attention_topk=4,
+                             tier=1)
+    assert shared.skipped_events > 0
 
 
 def test_the_generic_pass_keeps_what_the_fused_cpu_pass_keeps(engine_for, monkeypatch):
@@ -287,6 +330,8 @@ def test_on_a_hybrid_model_global_layers_are_scored_and_sliding_layers_keep_thei
     for layer in (0, 1, 2):
         for positions in result.kept_positions_final[str(layer)].values():
             assert positions == list(range(seen - 6, seen))
-    for positions in result.kept_positions_final["3"].values():
-        assert len(positions) == 6 and positions[:4] == [0, 1, 2, 3]  # the sinks, then what kvzip and decode kept
+    global_heads = list(result.kept_positions_final["3"].values())
+    assert sum(len(p) for p in global_heads) == 6 * len(global_heads)  # its heads' own counts, the budget in all
+    for positions in global_heads:
+        assert positions[:4] == [0, 1, 2, 3]  # the sinks, then what kvzip and decode kept
     assert result.arrays["window.position"].tolist()[:3] == [30 - 8] * 3  # step 0: the prompt's edge, unmoved

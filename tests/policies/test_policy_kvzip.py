@@ -36,6 +36,7 @@ def ids(tok, text):
 @pytest.mark.parametrize(("options", "field"), [
     ({"sinks": "-1"}, "sinks"), ({"chunk_size": "0"}, "chunk_size"), ({"window": "-2"}, "window"),
     ({"chunk_size": "lots"}, "chunk_size"), ({"sink": "4"}, "sink"), ({"layerwise": "maybe"}, "layerwise"),
+    ({"per_head": "2"}, "per_head"),
 ])
 def test_bad_options_are_refused_naming_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
@@ -149,13 +150,40 @@ def kept_score(scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> floa
     return sum(float(s.sort(dim=-1, descending=True).values[..., : budgets[layer]].sum()) for layer, s in scores.items())
 
 
-def test_the_default_shares_the_budget_by_score_and_layerwise_keeps_it_uniform():
+SHARED = {"per_head": "false"}
+
+
+def test_shared_heads_share_the_budget_by_score_and_layerwise_keeps_it_uniform():
     layer0 = torch.tensor([[[9.0, 8, 7, 6, 5, 4], [4.0, 5, 6, 7, 8, 9]]])  # every slot scores high
     layer1 = torch.tensor([[[10.0, 1, 1, 1, 1, 1], [1.0, 10, 1, 1, 1, 1]]])  # one slot per head matters
     scores, uniform = {0: layer0, 1: layer1}, {0: 3, 1: 3}
-    assert build_policy("kvzip", 3).allocate(scores, uniform) == {0: 5, 1: 1}
-    assert build_policy("kvzip", 3, {"layerwise": "true"}).allocate(scores, uniform) == uniform
-    assert build_policy("kvzip", 3).allocate({0: layer0}, {0: 3}) == {0: 3}  # one layer: nothing to share
+    assert build_policy("kvzip", 3, SHARED).allocate(scores, uniform) == {0: 5, 1: 1}
+    assert build_policy("kvzip", 3, {**SHARED, "layerwise": "true"}).allocate(scores, uniform) == uniform
+    assert build_policy("kvzip", 3, SHARED).allocate({0: layer0}, {0: 3}) == {0: 3}  # one layer: nothing to share
+
+
+def test_per_head_counts_rank_every_layer_head_and_slot_at_once():
+    """The default: the best 2 layers x 2 heads x 3 = 12 slots over everything, ties to the lower layer/head/slot."""
+    layer0 = torch.tensor([[[9.0, 8, 7, 6, 5, 4], [0.5, 0.4, 0.3, 0.2, 0.1, 0.0]]])
+    layer1 = torch.tensor([[[10.0, 1, 1, 1, 1, 1], [3.0, 3, 3, 3, 3, 3]]])
+    scores, uniform = {0: layer0, 1: layer1}, {0: 3, 1: 3}
+    # the 12 best: 10, then 9..4 (layer 0, head 0), then five of the six tied 3.0s (the last slot loses);
+    # layer 0's head 1 wins nothing and keeps the minimum of one
+    assert build_policy("kvzip", 3).allocate(scores, uniform) == {0: [6, 1], 1: [1, 5]}
+    # layerwise: each layer's own 6 best; layer 1's ties 3.0 go to the lower slot
+    assert build_policy("kvzip", 3, {"layerwise": "true"}).allocate(scores, uniform) == {0: [6, 1], 1: [1, 5]}
+    small = {0: layer0, 1: layer1}
+    assert build_policy("kvzip", 2, {"layerwise": "true"}).allocate(small, {0: 2, 1: 2}) == {0: [4, 1], 1: [1, 3]}
+    assert build_policy("kvzip", 2).allocate(small, {0: 2, 1: 2}) == {0: [6, 1], 1: [1, 1]}
+
+
+def test_per_head_counts_keep_the_same_memory_as_uniform_budgets():
+    g = torch.Generator().manual_seed(0)
+    scores = {layer: torch.rand(1, 3, 50, generator=g) ** (1 + layer) for layer in range(4)}
+    for options in ({}, {"layerwise": "true"}):
+        counts = build_policy("kvzip", 10, options).allocate(scores, dict.fromkeys(range(4), 10))
+        assert sum(sum(c) for c in counts.values()) == 4 * 3 * 10
+        assert len({c for per_layer in counts.values() for c in per_layer}) > 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -166,7 +194,7 @@ def test_the_shares_keep_the_most_score_any_split_of_the_same_memory_can(seed):
     g = torch.Generator().manual_seed(seed)
     layers, n, budget = 3, 7, 3
     scores = {layer: torch.rand(1, 2, n, generator=g) ** (1 + 3 * layer % 4) for layer in range(layers)}
-    shares = build_policy("kvzip", budget).allocate(scores, dict.fromkeys(range(layers), budget))
+    shares = build_policy("kvzip", budget, SHARED).allocate(scores, dict.fromkeys(range(layers), budget))
     assert sum(shares.values()) == layers * budget and min(shares.values()) >= 1
     best = max(kept_score(scores, dict(enumerate(split)))
                for split in itertools.product(range(1, n + 1), repeat=layers) if sum(split) == layers * budget)

@@ -227,6 +227,8 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
            scaling: float, kwargs: dict) -> torch.Tensor:
     """One sequence's attention through its run context: output ``[b, q, heads, d]``; the context scores and evicts."""
     layer = module.layer_idx
+    if ctx.cache.layers[layer].heads is not None:
+        return attend_heads(ctx, module, query, scaling, kwargs)
     if ctx.reconstruction is not None and ctx.cache.layers[layer].window is not None:
         # kvzip's pass on a sliding layer: its window attention only (the layer keeps its newest slots, unscored)
         out = causal_attention(module, query, key, value, scaling, sliding_hidden(ctx.cache.layers[layer], query.shape[2]),
@@ -276,6 +278,41 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
         seen.queries, seen.rotary = query[:, :, q - plan.query_rows:], ctx.rotary(layer, module)
     ctx.observe(layer, key, seen)
     return out
+
+
+def attend_heads(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, scaling: float,
+                 kwargs: dict) -> torch.Tensor:
+    """Attention over a layer split per KV head (kvzip's per-head counts): each KV group's ``g`` query
+    heads ``[b, g, q, d]`` attend to that head's own slots; output ``[b, q, heads, d]``.
+
+    Only plain attention and the newest row's probabilities (what decoding and recording need) are
+    computed: a split layer has passed the prefill that needs the rest.
+    """
+    layer = module.layer_idx
+    heads = ctx.cache.layers[layer].heads
+    assert heads is not None
+    q = query.shape[2]
+    g = query.shape[1] // len(heads)
+    plan = ctx.plan(layer, q, heads[0].num_slots())
+    if plan.topk is not None or plan.window_rows or plan.colsum_stride or ctx.prune_rows(layer):
+        raise RuntimeError(f"layer {layer} is stored per KV head: it supports neither top-k attention, "
+                           "prefill signals nor token pruning")
+    outputs, signals = [], []
+    for i, head in enumerate(heads):
+        rows, key, value = query[:, i * g : (i + 1) * g], head.keys, head.values
+        seen = LayerSignals(values=value)
+        if q == 1 and plan.last_row and ctx.will_evict_head(layer, i, key.shape[2]):
+            out, seen.last_row = decode_attention_with_probs(rows, key, value, scaling)
+        else:
+            out = causal_attention(module, rows, key, value, scaling, **kwargs)
+            if plan.last_row:
+                seen.last_row = row_probs(rows[:, :, q - 1 :], key, scaling)[:, :, 0]
+        if plan.query_rows:
+            seen.queries, seen.rotary = rows[:, :, q - plan.query_rows :], ctx.rotary(layer, module)
+        outputs.append(out)
+        signals.append(seen)
+    ctx.observe_heads(layer, signals)
+    return torch.cat(outputs, dim=2)
 
 
 AttentionInterface.register(ATTENTION_NAME, sparseety_attention)

@@ -10,6 +10,11 @@ sized to them, so the memory really shrinks. Slots are therefore *not* always in
 everything that cares (tie-breaking, reports) orders by ``positions``. New rows are always the last
 slots of a forward, which is what the attention function's causal rule relies on.
 
+A layer can also be *split* (:meth:`SparseLayer.split`): each KV head then lives in a one-head
+layer of its own (:attr:`SparseLayer.heads`), so heads hold different numbers of slots and the
+memory is their sum (kvzip's per-head budgets, as kvpress's ``KVzipPress`` chooses them). Attention
+then runs per KV-head group.
+
 It reports the number of tokens *seen* from ``get_seq_length`` (not the slots it holds), so
 ``generate`` keeps computing the right positions.
 """
@@ -44,6 +49,8 @@ class SparseLayer(DynamicLayer):
         self._state: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` float, once a policy keeps one
         self._slots = 0
         self._incoming: tuple[torch.Tensor, int] | None = None
+        self.heads: list[SparseLayer] | None = None  #: a split layer: one one-head layer per KV head
+        self.head_budgets: list[int] | None = None  #: a split layer: the slots each head keeps (None: no budget)
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -111,6 +118,13 @@ class SparseLayer(DynamicLayer):
         Returns the live keys and values ``[b, kv_heads, slots, d]`` (views of the buffer); the new ones last.
         """
         b, h, q, d = key_states.shape
+        if self.heads is not None:
+            if self._incoming is not None:
+                raise RuntimeError("a layer split per head takes no pruned rows")
+            for i, head in enumerate(self.heads):
+                head.update(key_states[:, i : i + 1], value_states[:, i : i + 1])
+            self.seen += q
+            return key_states, value_states  # attention reads each head's own slots
         if self._k is None:
             self.dtype, self.device = key_states.dtype, key_states.device
             self._k = key_states.new_empty(b, h, q + GROW_SLOTS, d)
@@ -149,11 +163,15 @@ class SparseLayer(DynamicLayer):
         return self.num_slots() + query_length, 0
 
     def num_slots(self) -> int:
-        """Slots held per KV head."""
+        """Slots held per KV head (a split layer: by its fullest head)."""
+        if self.heads is not None:
+            return max(head.num_slots() for head in self.heads)
         return self._slots
 
     def nbytes(self) -> int:
         """Bytes of the live keys and values (what the layer holds; the buffer may hold a few more free slots)."""
+        if self.heads is not None:
+            return sum(head.nbytes() for head in self.heads)
         if self._k is None or self._slots == 0:
             return 0
         b, h, _, d = self._k.shape
@@ -161,6 +179,8 @@ class SparseLayer(DynamicLayer):
 
     def allocated_bytes(self) -> int:
         """Bytes of the whole key and value buffers, free slots included."""
+        if self.heads is not None:
+            return sum(head.allocated_bytes() for head in self.heads)
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
 
     # -- eviction ----------------------------------------------------------------------------------------
@@ -224,6 +244,40 @@ class SparseLayer(DynamicLayer):
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
 
+    def split(self, keep: list[torch.Tensor], budgets: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Store each KV head in a one-head layer of its own, head ``i`` keeping its slots ``keep[i]`` ``[k_i]``.
+
+        Each head's buffer is sized to its own slots (plus a little room to append), so the layer's
+        memory is the heads' sum. ``budgets`` are the slots each head keeps from then on (default: none).
+
+        Returns, per head, ``(evicted_slots, evicted_positions)``, each ``[1, 1, e_i]`` ordered by position.
+        """
+        positions = self.positions
+        assert positions is not None and self._k is not None and self._v is not None
+        b, h, n = positions.shape
+        if b != 1 or len(keep) != h:
+            raise RuntimeError(f"split needs one sequence and one keep set per KV head, got b={b} and {len(keep)} sets")
+        heads, evicted = [], []
+        for i, slots in enumerate(keep):
+            head = SparseLayer()
+            head.dtype, head.device, head.is_initialized, head.seen = self.dtype, self.device, True, self.seen
+            head._k, head._v, head._pos = self._k[:, i : i + 1], self._v[:, i : i + 1], self._pos[:, i : i + 1]
+            head._state = None if self._state is None else self._state[:, i : i + 1]
+            head._slots = n
+            head._views()
+            kept = torch.zeros(n, dtype=torch.bool, device=slots.device).scatter_(0, slots, True)
+            dropped = (~kept).nonzero(as_tuple=True)[0].view(1, 1, -1)
+            k = int(slots.numel())
+            order = slots.view(1, 1, -1).sort(dim=-1).values
+            head._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), order)  # its own buffer, sized to its slots
+            evicted.append((dropped, positions[:, i : i + 1].gather(-1, dropped)))
+            heads.append(head)
+        self._k = self._v = self._pos = self._state = None
+        self._slots = 0
+        self.keys = self.values = None
+        self.heads, self.head_budgets = heads, budgets
+        return evicted
+
     def hidden_slots(self) -> torch.Tensor | None:
         """``[b, kv_heads, slots]`` bool: held slots no later query can see (a sliding layer); None for a global layer."""
         if self.window is None or self.positions is None:
@@ -239,7 +293,7 @@ class SparseLayer(DynamicLayer):
         and the policy evicts the rest first (they score lowest). Returns the slots freed per head.
         """
         positions, hidden = self.positions, self.hidden_slots()
-        if positions is None or hidden is None:
+        if positions is None or hidden is None:  # a global layer (split ones are global)
             return 0
         counts = hidden.sum(dim=-1)
         e = int(counts.min())
@@ -269,6 +323,8 @@ class SparseLayer(DynamicLayer):
         tokens are as before the pass.
         """
         positions = self.positions
+        if self.heads is not None:
+            raise RuntimeError("cannot truncate a layer split per head")
         if count <= 0 or positions is None:
             return
         if count > self._slots or bool((positions[..., self._slots - count:] < self.seen - count).any()):
@@ -282,6 +338,11 @@ class SparseLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError("SparseLayer.crop takes a negative count of tokens to remove")
         r = -tokens_to_remove
+        if self.heads is not None:
+            for head in self.heads:
+                head.crop(tokens_to_remove)
+            self.seen -= r
+            return
         positions = self.positions
         if r == 0 or positions is None:
             return
@@ -295,6 +356,7 @@ class SparseLayer(DynamicLayer):
     def reset(self) -> None:
         self._k = self._v = self._pos = self._state = None
         self._slots = 0
+        self.heads = self.head_budgets = None
         super().reset()
         self.seen = 0
         self._incoming = None
@@ -317,9 +379,16 @@ class SparseCache(Cache):
         """Bytes of keys and values held across layers (the real memory footprint)."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    def kept_positions(self) -> list[torch.Tensor | None]:
-        """Per layer, ``[b, kv_heads, slots]`` original positions of the slots held, ascending per head."""
-        return [None if layer.positions is None else layer.positions.sort(dim=-1).values for layer in self.layers]
+    def kept_positions(self) -> list[list[torch.Tensor] | None]:
+        """Per layer, per KV head, ``[slots]`` original positions of the slots held (batch 0), ascending."""
+        kept: list[list[torch.Tensor] | None] = []
+        for layer in self.layers:
+            heads = [layer] if layer.heads is None else layer.heads
+            if any(head.positions is None for head in heads):
+                kept.append(None)
+                continue
+            kept.append([row for head in heads for row in head.positions[0].sort(dim=-1).values])  # type: ignore[union-attr]
+        return kept
 
     def release(self) -> None:
         """Free every layer's buffers (a finished or cancelled sequence)."""

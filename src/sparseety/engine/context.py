@@ -23,7 +23,7 @@ from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
 from sparseety.engine.window import window_edge
-from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict
+from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict, select_keep
 from sparseety.policies.kvzip import ReconstructionChunk
 from sparseety.policies.rotary import inverse_frequencies
 
@@ -366,6 +366,11 @@ class RunContext:
         budget = self.layer_budget(layer)
         return budget is not None and n > budget
 
+    def will_evict_head(self, layer: int, head: int, n: int) -> bool:
+        """True when KV head ``head`` of the split layer ``layer``, holding ``n`` slots, evicts after this step."""
+        budgets = self.cache.layers[layer].head_budgets
+        return self.evicting and budgets is not None and n > budgets[head]
+
     def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         """Record what layer ``layer`` attended to, let the policy score and evict; a sliding layer then slides."""
         if self.reconstruction is not None:
@@ -396,7 +401,7 @@ class RunContext:
             self._carry(layer, seen)
             return
         if seen.last_row is not None and self.records(layer):
-            self._record_importance(layer, positions, seen.last_row)
+            self._record_importance(layer, positions[0], group_mean(seen.last_row, self.kv_heads)[0])
             if self.recorded_layers is None and self.choosing_layer:
                 self.layer_mass[layer] = topk_mass(seen.last_row, self.auto_k)
         if seen.attended is not None and self.tier >= 1:
@@ -404,34 +409,61 @@ class RunContext:
         if not self.evicting:
             return
         self._add_carried(layer, seen)
-        # The policy's own signal: the window vote, else column sums, else the newest row.
+        scores = self._score(layer, cache_layer, key, seen, self.kv_heads)
+        if self.will_evict(layer, positions.shape[-1]):
+            budget = self.layer_budget(layer)
+            assert budget is not None
+            self._evict(layer, self._eviction_order(hidden_first(scores, cache_layer), cache_layer), budget, self.step)
+
+    def observe_heads(self, layer: int, signals: list[LayerSignals]) -> None:
+        """A layer split per KV head (``signals[i]`` from head ``i``'s own attention, its ``g`` query heads):
+        record importance, then let the policy score and evict each head to its own count."""
+        if self.prompt_forward and self.on_prefill_layer is not None:
+            self.on_prefill_layer(layer, self.num_layers)
+        heads = self.cache.layers[layer].heads
+        budgets = self.cache.layers[layer].head_budgets
+        assert heads is not None
+        if self.records(layer) and all(seen.last_row is not None for seen in signals):
+            self._record_importance(layer, torch.cat([head.positions[0, 0] for head in heads]),  # type: ignore[index]
+                                    torch.cat([seen.last_row.mean(dim=1)[0] for seen in signals]))  # type: ignore[union-attr]
+        if not self.evicting:
+            return
+        for i, (head, seen) in enumerate(zip(heads, signals)):
+            scores = self._score(layer, head, head.keys, seen, 1)
+            if budgets is not None and scores.shape[-1] > budgets[i]:
+                self._evict(layer, self._eviction_order(scores, head), budgets[i], self.step, head=i)
+
+    def _score(self, layer: int, cache_layer: SparseLayer, key: torch.Tensor, seen: LayerSignals,
+               kv_heads: int) -> torch.Tensor:
+        """The policy's ``[b, kv_heads, n]`` scores of ``cache_layer``'s slots (its state updated), from its own
+        signal: the window vote, else column sums, else the newest row."""
+        positions = cache_layer.positions
         signal = next((x for x in (seen.window, seen.colsum, seen.last_row) if x is not None), None)
         obs = Observation(
             layer=layer, num_layers=self.num_layers, step=self.step, prefill=self.prompt_forward,
             positions=positions, keys=key,
-            attention=None if signal is None else group_mean(signal, self.kv_heads),
+            attention=None if signal is None else group_mean(signal, kv_heads),
             state=cache_layer.state, seed=self.seed,
             queries=seen.queries, values=seen.values, rotary=seen.rotary,
             token_ids=self.slot_token_ids(positions) if self.policy.needs_token_ids else None,
         )
-        scores, state = self.policy.score(obs)
-        cache_layer.state = state
-        if not self.will_evict(layer, positions.shape[-1]):
-            return
-        budget = self.layer_budget(layer)
-        assert budget is not None
-        scores = hidden_first(scores, cache_layer)
-        if self.drafts_in_forward:  # unverified drafts outrank every other protected slot
-            scores = protect(scores.clamp(max=torch.finfo(scores.dtype).max),
-                             positions >= cache_layer.seen - self.drafts_in_forward)
-        self._evict(layer, scores, budget, self.step)
+        scores, cache_layer.state = self.policy.score(obs)
+        return scores
 
-    def _evict(self, layer: int, scores: torch.Tensor, budget: int, step: int) -> None:
-        """Keep layer ``layer``'s ``budget`` best slots by ``scores`` ``[b, kv_heads, n]``; record the rest at ``step``."""
-        cache_layer = self.cache.layers[layer]
-        evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, cache_layer.positions))
+    def _eviction_order(self, scores: torch.Tensor, cache_layer: SparseLayer) -> torch.Tensor:
+        """``scores`` with this forward's unverified drafts above every other protected slot."""
+        if not self.drafts_in_forward:
+            return scores
+        return protect(scores.clamp(max=torch.finfo(scores.dtype).max),
+                       cache_layer.positions >= cache_layer.seen - self.drafts_in_forward)
+
+    def _evict(self, layer: int, scores: torch.Tensor, budget: int, step: int, head: int | None = None) -> None:
+        """Keep the ``budget`` best slots by ``scores`` ``[b, kv_heads, n]`` of layer ``layer`` (or of its KV head
+        ``head``, a split layer); record the rest at ``step``."""
+        target = self.cache.layers[layer] if head is None else self.cache.layers[layer].heads[head]  # type: ignore[index]
+        evicted_slots, evicted_positions = target.evict(select_evict(scores, budget, target.positions))
         if self.tier >= 1:
-            self.evictions.add(step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
+            self.evictions.add(step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]), head=head)
 
     # -- a reconstructing policy's own pass (kvzip) --------------------------------------------------
     @contextlib.contextmanager
@@ -478,13 +510,30 @@ class RunContext:
             scored[layer], cache_layer.state = self.policy.score(obs)
         uniform = {layer: budget for layer in scored if (budget := self.layer_budget(layer)) is not None
                    and self.cache.layers[layer].window is None and scored[layer].shape[-1] > budget}
-        self.allocated_budgets = self.policy.allocate({layer: scored[layer] for layer in uniform}, uniform)
+        allocated = self.policy.allocate({layer: scored[layer] for layer in uniform}, uniform)
+        self.allocated_budgets = {layer: share for layer, share in allocated.items() if isinstance(share, int)}
         for layer, scores in scored.items():
+            share = allocated.get(layer)
+            if isinstance(share, list):
+                self._split(layer, scores, share)
+                continue
             budget = self.layer_budget(layer)
             if budget is not None and scores.shape[-1] > budget:
                 self._evict(layer, hidden_first(scores, self.cache.layers[layer]), budget, 0)
         self.reconstruction_pending = False
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+
+    def _split(self, layer: int, scores: torch.Tensor, counts: list[int]) -> None:
+        """Store layer ``layer`` per KV head, head ``i`` keeping its ``counts[i]`` best slots by ``scores``
+        ``[1, kv_heads, n]`` (and that many from then on); record the rest as step-0 evictions."""
+        cache_layer = self.cache.layers[layer]
+        positions = cache_layer.positions
+        assert positions is not None
+        keep = [select_keep(scores[:, i : i + 1], count, positions[:, i : i + 1])[0, 0] for i, count in enumerate(counts)]
+        evicted = cache_layer.split(keep, counts)
+        if self.tier >= 1:
+            for i, (slots, where) in enumerate(evicted):
+                self.evictions.add(0, layer, where[0], scores[0, i : i + 1].gather(-1, slots[0]), head=i)
 
     def _carry(self, layer: int, seen: LayerSignals) -> None:
         """Keep an earlier chunk's signals, joined to what the chunks before it carried."""
@@ -506,8 +555,10 @@ class RunContext:
         if seen.queries is not None:
             seen.queries = _joined(queries, seen.queries, rows=True)
 
-    def _record_importance(self, layer: int, positions: torch.Tensor, last_row: torch.Tensor) -> None:
-        per_slot = group_mean(last_row, self.kv_heads)[0].float()  # [kv_heads, n]
+    def _record_importance(self, layer: int, positions: torch.Tensor, per_slot: torch.Tensor) -> None:
+        """Add the newest row's attention to layer ``layer``'s importance: ``per_slot`` (any shape, the KV
+        groups' mean) the attention each slot at ``positions`` (same shape) received."""
+        per_slot = per_slot.float()
         seen = self.cache.layers[layer].seen
         if self.importance is None or self.importance.shape[1] < seen:
             grown = torch.zeros(self.num_layers, max(seen, 2 * (0 if self.importance is None else self.importance.shape[1])))
@@ -515,7 +566,7 @@ class RunContext:
                 grown[:, : self.importance.shape[1]] = self.importance
             self.importance = grown
         vector = torch.zeros(seen, dtype=torch.float32)
-        vector.scatter_add_(0, positions[0].reshape(-1).cpu(), per_slot.reshape(-1).cpu())
+        vector.scatter_add_(0, positions.reshape(-1).cpu(), per_slot.reshape(-1).cpu())
         vector /= self.kv_heads
         self.importance[layer, :seen] += vector
         if self.tier >= 3:

@@ -23,13 +23,17 @@ class EventLog:
     _layers: list[int] = field(default_factory=list)
     _positions: list[torch.Tensor] = field(default_factory=list)
     _scores: list[torch.Tensor] = field(default_factory=list)
+    _heads: list[int | None] = field(default_factory=list)
 
-    def add(self, step: int, layer: int, positions: torch.Tensor, scores: torch.Tensor | None) -> None:
-        """Record ``positions`` ``[kv_heads, e]`` (with their ``scores``) at ``(step, layer)``."""
+    def add(self, step: int, layer: int, positions: torch.Tensor, scores: torch.Tensor | None,
+            head: int | None = None) -> None:
+        """Record ``positions`` ``[kv_heads, e]`` (with their ``scores``) at ``(step, layer)``;
+        with ``head``, ``positions`` is ``[1, e]``, that one KV head's (a layer split per head)."""
         if positions.numel() == 0:
             return
         self._steps.append(step)
         self._layers.append(layer)
+        self._heads.append(head)
         self._positions.append(positions.detach())
         self._scores.append(
             torch.full(positions.shape, float("nan")) if scores is None else scores.detach().float()
@@ -45,12 +49,14 @@ class EventLog:
             return {"step": empty, "layer": empty, "kv_head": empty, "position": empty,
                     "token_id": empty, "score": np.zeros(0, dtype=np.float32)}
         steps, layers, heads, positions, scores = [], [], [], [], []
-        for step, layer, pos, score in zip(self._steps, self._layers, self._positions, self._scores):
+        for step, layer, pos, score, head in zip(self._steps, self._layers, self._positions, self._scores, self._heads):
             kvh, e = pos.shape
             steps.append(np.full(kvh * e, step, dtype=np.int64))
             layers.append(np.full(kvh * e, layer, dtype=np.int64))
-            heads.append(np.full(kvh * e, -1, dtype=np.int64) if self.all_heads
-                         else np.repeat(np.arange(kvh, dtype=np.int64), e))
+            if self.all_heads:
+                heads.append(np.full(kvh * e, -1, dtype=np.int64))
+            else:
+                heads.append(np.repeat(np.arange(kvh, dtype=np.int64) + (head or 0), e))
             positions.append(pos.reshape(-1).cpu().numpy().astype(np.int64))
             scores.append(score.reshape(-1).cpu().numpy().astype(np.float32))
         position = np.concatenate(positions)

@@ -290,6 +290,9 @@ class SparseEngine:
         if policy.attends_topk:
             raise InputError(f"policy {policy.name!r} already attends to its top {policy.budget} slots; "
                              "attention_topk composes with the other policies")
+        if policy.splits_heads:
+            raise InputError(f"policy {policy.name!r} keeps a different number of slots in each KV head, which "
+                             "attention_topk cannot rank; set its option per_head=false to combine them")
 
     def _check_speculative(self, speculative: int, encoded: EncodedInput, policy: Policy) -> None:
         """Prompt lookup needs room for its drafts and an empty cache at its first step."""
@@ -332,8 +335,8 @@ class SparseEngine:
         recorded = list(ctx.recorded_layers or ()) if tier >= 2 else None
         if tier >= 2:
             kept = {
-                str(layer): {str(h): row.tolist() for h, row in enumerate(positions[0])}
-                for layer, positions in enumerate(cache.kept_positions()) if positions is not None
+                str(layer): {str(h): row.tolist() for h, row in enumerate(heads)}
+                for layer, heads in enumerate(cache.kept_positions()) if heads is not None
             }
             if ctx.importance is not None:
                 importance = ctx.importance[:, :seen]

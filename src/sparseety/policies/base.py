@@ -139,13 +139,20 @@ class Policy:
         """Slots this layer may hold per KV head (None: unbounded), once ``seen`` tokens were seen."""
         return self.budget
 
-    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int]:
+    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int | list[int]]:
         """Per-layer budgets once every layer's region is scored at once (a reconstructing policy's pass).
 
         ``scores``: per compressing layer ``[b, kv_heads, n]`` from :meth:`score`; ``budgets``: their
-        uniform budgets. The default keeps them; ``kvzip`` shares them out by score over all layers.
+        uniform budgets. A layer's entry is an int (slots per KV head) or a list with one count per
+        KV head (the engine then stores that layer per head). The default keeps the budgets; ``kvzip``
+        shares them out by score over all layers.
         """
         return dict(budgets)
+
+    @property
+    def splits_heads(self) -> bool:
+        """True when :meth:`allocate` gives each KV head its own count (the layer is stored per head)."""
+        return False
 
     def bind(self, model: ModelInfo) -> None:
         """Called when a run context is created for this policy on ``model``; raise :class:`ConfigError`

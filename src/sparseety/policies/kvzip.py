@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from sparseety.errors import ConfigError
 from sparseety.policies.base import Observation, Policy, Signal, check_positive_int, protect, recent_mask
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -77,13 +78,17 @@ class KVzipPolicy(Policy):
     reconstruction), and the newest ``window`` positions are protected so the answer being written
     is never cut. Costs one extra teacher-forced pass over the context at prefill.
 
-    Budgets across layers (kvpress's ``layerwise``): by default the layers that compress share their
-    summed budget by score, as kvpress does: every layer's heads keep the same number of slots (so a
-    layer's memory is its budget), and the per-layer numbers maximise the summed score kept over
-    all layers, for the same total memory as uniform budgets (greedy on each layer's next slot's
-    gain, its heads' next-best scores summed, which is exact since a layer's gains only decrease).
-    kvpress instead lets each head keep a different count and masks the rest, holding every slot;
-    that gives a head more than its layer's memory allows. ``layerwise=true`` keeps uniform budgets.
+    Budgets across layers and heads. By default (``per_head=true``, kvpress's ``KVzipPress``) one
+    ranking over every (layer, KV head, slot) of the layers that compress keeps the best ``sum of
+    budgets x KV heads`` slots (ties: the lower layer, head, position; every head keeps at least one),
+    so each head keeps its own count. Unlike kvpress, which masks the rest and holds every slot, the
+    engine evicts them and stores such a layer per head (each head a buffer of its own), so memory is
+    the kept slots: the same total as uniform budgets. ``layerwise=true`` ranks within each layer
+    instead (its budget x KV heads). ``per_head=false`` keeps every head of a layer at the same
+    count: the layers share their summed budget by score (greedy on each layer's next slot's gain,
+    its heads' next-best scores summed, exact since a layer's gains only decrease), or with
+    ``layerwise=true`` keep uniform budgets. Plain prompts then evict per head while decoding, each
+    head down to its own count.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -96,12 +101,20 @@ class KVzipPolicy(Policy):
     chunk_size: int = 2048
     window: int = 32
     layerwise: bool = False
+    per_head: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int(self.name, "sinks", self.sinks, minimum=0)
         check_positive_int(self.name, "chunk_size", self.chunk_size)
         check_positive_int(self.name, "window", self.window, minimum=0)
+        for option in ("layerwise", "per_head"):
+            if not isinstance(getattr(self, option), bool):
+                raise ConfigError(f"{self.name}: {option} must be true or false, got {getattr(self, option)!r}")
+
+    @property
+    def splits_heads(self) -> bool:
+        return self.per_head
 
     def reconstruction_chunks(self, context_ids: list[int], tokenizer: Any) -> list[ReconstructionChunk]:
         """The reconstruction forwards for a region holding ``context_ids`` (in order)."""
@@ -120,12 +133,16 @@ class KVzipPolicy(Policy):
             start += len(piece)
         return chunks
 
-    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int]:
-        """Per-layer budgets for the layers in ``scores`` (each ``[b, kv_heads, n]``, after :meth:`score`).
+    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int | list[int]]:
+        """Budgets for the layers in ``scores`` (each ``[b, kv_heads, n]``, after :meth:`score`).
 
-        ``budgets`` are the uniform ones. ``layerwise`` returns them; otherwise their sum is shared out
+        ``budgets`` are the uniform ones. With ``per_head``, per layer one count per KV head;
+        otherwise one count per layer: ``layerwise`` returns the budgets, else their sum is shared out
         by score over all these layers together (see the class docstring).
         """
+        if self.per_head and scores:
+            groups = [[layer] for layer in sorted(scores)] if self.layerwise else [sorted(scores)]
+            return {layer: counts for group in groups for layer, counts in head_counts(scores, budgets, group).items()}
         if self.layerwise or len(scores) < 2:
             return dict(budgets)
         layers = sorted(scores)
@@ -149,3 +166,20 @@ class KVzipPolicy(Policy):
         if not obs.prefill:
             protected |= recent_mask(obs.positions, min(self.window, self.budget or 0))
         return protect(state, protected), state
+
+
+def head_counts(scores: dict[int, torch.Tensor], budgets: dict[int, int], layers: list[int]) -> dict[int, list[int]]:
+    """Per layer of ``layers``, the slots each KV head keeps when one ranking over all their (layer, head,
+    slot) scores (``[1, kv_heads, n]`` each) keeps the best ``sum(budgets) x kv_heads``.
+
+    Ties go to the lower layer, head, then slot (a stable sort in that order); every head keeps at
+    least one slot.
+    """
+    heads = [scores[layer].shape[1] for layer in layers]
+    flat = torch.cat([scores[layer][0].float().reshape(-1).cpu() for layer in layers])
+    owner = torch.cat([torch.arange(kv_heads).repeat_interleave(scores[layer].shape[2]) + sum(heads[:i])
+                       for i, (layer, kv_heads) in enumerate(zip(layers, heads))])  # each slot's (layer, head), flat
+    total = sum(budgets[layer] * kv_heads for layer, kv_heads in zip(layers, heads))
+    won = owner[torch.sort(flat, descending=True, stable=True).indices[:total]]
+    counts = torch.bincount(won, minlength=sum(heads)).clamp(min=1).split(heads)
+    return {layer: c.tolist() for layer, c in zip(layers, counts)}
