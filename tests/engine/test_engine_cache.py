@@ -88,17 +88,53 @@ def test_a_split_layer_holds_each_heads_own_slots_and_only_those_bytes():
     layer = SparseLayer()
     keys = torch.arange(3 * 6 * 4, dtype=torch.float32).reshape(1, 3, 6, 4)
     layer.update(keys, -keys)
-    evicted = layer.split([torch.tensor([0, 5]), torch.tensor([1, 2, 3, 4]), torch.tensor([2])], budgets=[2, 4, 1])
+    evicted = layer.split([torch.tensor([5, 0]), torch.tensor([1, 2, 3, 4]), torch.tensor([2])], budgets=[2, 4, 1])
     assert [e[1][0, 0].tolist() for e in evicted] == [[1, 2, 3, 4], [0, 5], [0, 1, 3, 4, 5]]
-    assert [h.positions[0, 0].tolist() for h in layer.heads] == [[0, 5], [1, 2, 3, 4], [2]]
-    assert torch.equal(layer.heads[1].keys[0, 0], keys[0, 1, 1:5]) and torch.equal(layer.heads[2].values[0, 0], -keys[0, 2, 2:3])
-    assert layer.nbytes() == 2 * (2 + 4 + 1) * 4 * 4 and layer.num_slots() == 4
-    assert layer.positions is None and layer.head_budgets == [2, 4, 1]
-    new = torch.full((1, 3, 1, 4), 7.0)
-    layer.update(new, new)
-    assert layer.seen == 7 and [h.positions[0, 0].tolist() for h in layer.heads] == [[0, 5, 6], [1, 2, 3, 4, 6], [2, 6]]
-    assert SparseCache(1).kept_positions() == [None]
-    layer.crop(-1)
-    assert layer.seen == 6 and [h.num_slots() for h in layer.heads] == [2, 4, 1]
+    assert [p.tolist() for p in layer.head_slots()] == [[0, 5], [1, 2, 3, 4], [2]]
+    regions = layer.regions
+    assert torch.equal(regions.head_keys(1)[0][0, 0], keys[0, 1, 1:5])
+    assert torch.equal(regions.head_keys(2)[1][0, 0], -keys[0, 2, 2:3])
+    assert layer.nbytes() == 2 * (2 + 4 + 1) * 4 * 4 and layer.num_slots() == 7
+    assert int((layer.positions >= 0).sum()) == 7  # the rest of the row is free room
+    new = torch.arange(3 * 4, dtype=torch.float32).reshape(1, 3, 1, 4) + 100
+    for step in range(12):  # past every region's room: they grow, nothing is lost
+        layer.update(new + step, new + step)
+    assert layer.seen == 18
+    assert [p.tolist() for p in layer.head_slots()] == [[0, 5, *range(6, 18)], [1, 2, 3, 4, *range(6, 18)],
+                                                        [2, *range(6, 18)]]
+    assert torch.equal(layer.regions.head_keys(2)[0][0, 0, -1], (new + 11)[0, 2, 0])
+    assert torch.equal(layer.regions.head_keys(0)[0][0, 0, 0], keys[0, 0, 0])
     with pytest.raises(RuntimeError, match="split per head"):
         layer.truncate(1)
+    with pytest.raises(RuntimeError, match="split per head"):
+        layer.crop(-1)
+
+
+def test_a_split_layer_evicts_inside_each_heads_region():
+    layer = SparseLayer()
+    keys = torch.arange(2 * 5 * 2, dtype=torch.float32).reshape(1, 2, 5, 2)
+    layer.update(keys, keys)
+    layer.split([torch.arange(5), torch.tensor([0, 4])], budgets=[3, 1])
+    regions = layer.regions
+    start1 = regions.offsets[1]
+    slots, heads, positions = regions.evict(torch.tensor([1, 3, start1]))
+    assert heads.tolist() == [0, 0, 1] and positions.tolist() == [1, 3, 0] and slots.tolist() == [1, 3, start1]
+    assert [p.tolist() for p in layer.head_slots()] == [[0, 4, 2], [4]]  # the region's last slots filled its holes
+    assert torch.equal(regions.head_keys(0)[0][0, 0], keys[0, 0, [0, 4, 2]])
+    assert regions.counts == [3, 1] and int((regions.pos >= 0).sum()) == 4
+
+
+def test_select_evict_by_head_leaves_each_head_its_budget_ties_to_the_lower_position():
+    from sparseety.policies.base import select_evict_by_head
+
+    scores = torch.tensor([1.0, 5.0, 1.0, 2.0, 2.0, 9.0, 0.5])
+    positions = torch.tensor([3, 0, 1, 7, 2, 4, 9])
+    heads = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+    evicted = select_evict_by_head(scores, positions, heads, torch.tensor([2, 1, 1]))
+    # head 0 keeps 5.0 and the tied 1.0 at the lower position (1, slot 2); head 1 keeps 9.0; head 2 its one slot
+    assert sorted(evicted.tolist()) == [0, 3, 4]
+    one_each = select_evict_by_head(scores, positions, heads, torch.tensor([2, 2, 1]))  # the decode step's path
+    assert sorted(one_each.tolist()) == [0, 3]  # head 1: of its lowest (2.0 at positions 7 and 2), the newest
+    free = positions.masked_fill(torch.arange(7) == 6, -1)  # a free slot (position -1) is never chosen nor counted
+    assert sorted(select_evict_by_head(scores, free, heads, torch.tensor([2, 1, 0])).tolist()) == [0, 3, 4]
+    assert sorted(select_evict_by_head(scores, free, heads, torch.tensor([2, 2, 0])).tolist()) == [0, 3]

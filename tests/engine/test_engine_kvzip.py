@@ -8,6 +8,7 @@ top budget per head (ties to the lower position).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_engine_batch import assert_same_trace
@@ -156,11 +157,11 @@ def test_cache_after_the_pass_holds_only_kept_context_slots(per_head, engine_for
         per_slot = 2 * engine.head_dim * 4  # one KV head's key and value
         for layer in ctx.cache.layers:
             assert layer.seen == n and layer.get_seq_length() == n
-            heads = layer.heads or [layer]
-            assert (layer.heads is not None) == per_head
-            slots = [h.num_slots() * (1 if per_head else KV_HEADS) for h in heads]
-            assert sum(slots) == budget * KV_HEADS  # layerwise: the layer's memory is its budget, split or not
-            assert all(int(h.positions.max()) < n for h in heads)
+            assert (layer.regions is not None) == per_head
+            counts = [int(p.numel()) for p in layer.head_slots()]
+            assert sum(counts) == budget * KV_HEADS  # layerwise: the layer's memory is its budget, split or not
+            assert (len(set(counts)) > 1) == per_head
+            assert int(layer.positions.max()) < n
             assert layer.nbytes() == budget * KV_HEADS * per_slot
             assert layer.allocated_bytes() < n * KV_HEADS * per_slot  # the buffers shrank with the eviction
         assert ctx.peak_bytes == engine.num_layers * budget * KV_HEADS * per_slot
@@ -168,9 +169,7 @@ def test_cache_after_the_pass_holds_only_kept_context_slots(per_head, engine_for
         assert out.logits.shape[1] == 1
         for layer in ctx.cache.layers:  # the next token sits at position n in every head, as if no pass had run
             assert layer.seen == n + 1
-            assert all(n in head.positions[0, 0].tolist() for head in (layer.heads or [layer]))
-            assert all(int(head.positions[0, i].max()) == n for head in (layer.heads or [layer])
-                       for i in range(head.positions.shape[1]))
+            assert all(int(p.max()) == n and int((p == n).sum()) == 1 for p in layer.head_slots())
 
 
 @pytest.mark.parametrize("per_head", [True, False])
@@ -335,3 +334,27 @@ def test_on_a_hybrid_model_global_layers_are_scored_and_sliding_layers_keep_thei
     for positions in global_heads:
         assert positions[:4] == [0, 1, 2, 3]  # the sinks, then what kvzip and decode kept
     assert result.arrays["window.position"].tolist()[:3] == [30 - 8] * 3  # step 0: the prompt's edge, unmoved
+
+@pytest.mark.parametrize("document", [False, True])
+def test_a_split_layer_computes_what_the_unsplit_layer_does(document, engine_for, monkeypatch):
+    """Per-head counts that happen to be uniform: the split storage (one row, other heads masked) must give the
+    tokens, kept sets and evictions of the ordinary per-layer cache, decode evictions included."""
+    from sparseety.policies.kvzip import KVzipPolicy
+
+    engine = engine_for("llama")
+    ids = prompt_ids(44, seed=21)
+    encoded = EncodedInput(ids, compress_len=36) if document else EncodedInput(ids)
+    shared = engine.generate(encoded, build_policy("kvzip", 12, {"layerwise": "true", "per_head": "false"}),
+                             max_new_tokens=10, tier=2)
+    monkeypatch.setattr(KVzipPolicy, "allocate", lambda self, scores, budgets: {
+        layer: [budget] * scores[layer].shape[1] for layer, budget in budgets.items()})
+    split = engine.generate(encoded, build_policy("kvzip", 12, {"layerwise": "true"}), max_new_tokens=10, tier=2)
+    assert split.output_ids == shared.output_ids
+    assert split.kept_positions_final == shared.kept_positions_final
+    for column in ("step", "layer", "kv_head", "position"):
+        order_s = np.lexsort([shared.arrays[f"evicted.{c}"] for c in ("position", "kv_head", "layer", "step")])
+        order_p = np.lexsort([split.arrays[f"evicted.{c}"] for c in ("position", "kv_head", "layer", "step")])
+        assert (split.arrays[f"evicted.{column}"][order_p] == shared.arrays[f"evicted.{column}"][order_s]).all()
+    np.testing.assert_allclose(split.arrays["importance"].astype(np.float32),
+                               shared.arrays["importance"].astype(np.float32), rtol=1e-2, atol=1e-3)
+    assert split.kv_cache_bytes_peak == shared.kv_cache_bytes_peak

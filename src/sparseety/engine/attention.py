@@ -227,8 +227,8 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
            scaling: float, kwargs: dict) -> torch.Tensor:
     """One sequence's attention through its run context: output ``[b, q, heads, d]``; the context scores and evicts."""
     layer = module.layer_idx
-    if ctx.cache.layers[layer].heads is not None:
-        return attend_heads(ctx, module, query, scaling, kwargs)
+    if ctx.cache.layers[layer].regions is not None:
+        return attend_split(ctx, module, query, scaling, kwargs)
     if ctx.reconstruction is not None and ctx.cache.layers[layer].window is not None:
         # kvzip's pass on a sliding layer: its window attention only (the layer keeps its newest slots, unscored)
         out = causal_attention(module, query, key, value, scaling, sliding_hidden(ctx.cache.layers[layer], query.shape[2]),
@@ -280,38 +280,38 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
     return out
 
 
-def attend_heads(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, scaling: float,
+def attend_split(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, scaling: float,
                  kwargs: dict) -> torch.Tensor:
     """Attention over a layer split per KV head (kvzip's per-head counts): each KV group's ``g`` query
-    heads ``[b, g, q, d]`` attend to that head's own slots; output ``[b, q, heads, d]``.
+    heads ``[1, g, q, d]`` attend to that head's own live slots (a contiguous view of its region).
 
-    Only plain attention and the newest row's probabilities (what decoding and recording need) are
-    computed: a split layer has passed the prefill that needs the rest.
+    Only plain attention and the newest row's probabilities are computed (what decoding, recording
+    and the policy need): a split layer has passed the prefill that needs the rest.
+
+    Returns the output ``[1, q, heads, d]``; the newest row's attention per head goes to the context.
     """
     layer = module.layer_idx
-    heads = ctx.cache.layers[layer].heads
-    assert heads is not None
+    regions = ctx.cache.layers[layer].regions
+    assert regions is not None
     q = query.shape[2]
-    g = query.shape[1] // len(heads)
-    plan = ctx.plan(layer, q, heads[0].num_slots())
-    if plan.topk is not None or plan.window_rows or plan.colsum_stride or ctx.prune_rows(layer):
+    g = query.shape[1] // regions.heads
+    plan = ctx.plan(layer, q, regions.held())
+    if plan.topk is not None or plan.window_rows or plan.colsum_stride or plan.query_rows or ctx.prune_rows(layer):
         raise RuntimeError(f"layer {layer} is stored per KV head: it supports neither top-k attention, "
-                           "prefill signals nor token pruning")
-    outputs, signals = [], []
-    for i, head in enumerate(heads):
-        rows, key, value = query[:, i * g : (i + 1) * g], head.keys, head.values
-        seen = LayerSignals(values=value)
-        if q == 1 and plan.last_row and ctx.will_evict_head(layer, i, key.shape[2]):
-            out, seen.last_row = decode_attention_with_probs(rows, key, value, scaling)
+                           "prefill signals, query rows nor token pruning")
+    outputs, last_rows = [], []
+    for i in range(regions.heads):
+        rows = query[:, i * g : (i + 1) * g]
+        key, value = regions.head_keys(i)
+        if q == 1 and plan.last_row:
+            out, probs = decode_attention_with_probs(rows, key, value, scaling)
+            last_rows.append(probs)
         else:
             out = causal_attention(module, rows, key, value, scaling, **kwargs)
             if plan.last_row:
-                seen.last_row = row_probs(rows[:, :, q - 1 :], key, scaling)[:, :, 0]
-        if plan.query_rows:
-            seen.queries, seen.rotary = rows[:, :, q - plan.query_rows :], ctx.rotary(layer, module)
+                last_rows.append(row_probs(rows[:, :, q - 1 :], key, scaling)[:, :, 0])
         outputs.append(out)
-        signals.append(seen)
-    ctx.observe_heads(layer, signals)
+    ctx.observe_split(layer, last_rows if plan.last_row else None)
     return torch.cat(outputs, dim=2)
 
 

@@ -10,10 +10,9 @@ sized to them, so the memory really shrinks. Slots are therefore *not* always in
 everything that cares (tie-breaking, reports) orders by ``positions``. New rows are always the last
 slots of a forward, which is what the attention function's causal rule relies on.
 
-A layer can also be *split* (:meth:`SparseLayer.split`): each KV head then lives in a one-head
-layer of its own (:attr:`SparseLayer.heads`), so heads hold different numbers of slots and the
-memory is their sum (kvzip's per-head budgets, as kvpress's ``KVzipPress`` chooses them). Attention
-then runs per KV-head group.
+A layer can also be *split* (:meth:`SparseLayer.split`, kvzip's per-head counts as kvpress's
+``KVzipPress`` chooses them): its KV heads then hold different numbers of slots, in the regions of
+one row (:class:`~sparseety.engine.head_regions.HeadRegions`), so memory is the kept slots.
 
 It reports the number of tokens *seen* from ``get_seq_length`` (not the slots it holds), so
 ``generate`` keeps computing the right positions.
@@ -24,6 +23,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from sparseety.engine.head_regions import HeadRegions
 from sparseety.engine.window import hidden_by_window
 
 #: Slots added when a buffer grows (amortises reallocation for layers that never evict).
@@ -49,22 +49,30 @@ class SparseLayer(DynamicLayer):
         self._state: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` float, once a policy keeps one
         self._slots = 0
         self._incoming: tuple[torch.Tensor, int] | None = None
-        self.heads: list[SparseLayer] | None = None  #: a split layer: one one-head layer per KV head
-        self.head_budgets: list[int] | None = None  #: a split layer: the slots each head keeps (None: no budget)
+        self.regions: HeadRegions | None = None  #: a split layer: its heads' own slots (then the buffers above are None)
 
     # -- views ---------------------------------------------------------------------------------------
     @property
     def positions(self) -> torch.Tensor | None:
-        """``[b, kv_heads, slots]`` original token position of every live slot (not in position order)."""
+        """``[b, kv_heads, slots]`` original token position of every live slot (not in position order).
+
+        A split layer: ``[1, 1, capacity]``, every slot of its row, -1 where free."""
+        if self.regions is not None:
+            return self.regions.pos
         return None if self._pos is None else self._pos[..., : self._slots]
 
     @property
     def state(self) -> torch.Tensor | None:
-        """``[b, kv_heads, slots]`` the policy's per-slot accumulator, or None."""
+        """``[b, kv_heads, slots]`` the policy's per-slot accumulator, or None (a split layer: its row's)."""
+        if self.regions is not None:
+            return self.regions.state
         return None if self._state is None else self._state[..., : self._slots]
 
     @state.setter
     def state(self, value: torch.Tensor | None) -> None:
+        if self.regions is not None:
+            self.regions.state = value
+            return
         if value is None:
             self._state = None
             return
@@ -72,6 +80,10 @@ class SparseLayer(DynamicLayer):
             assert self._pos is not None
             self._state = torch.zeros(self._pos.shape, dtype=value.dtype, device=value.device)
         self._state[..., : self._slots] = value
+
+    def _slot_buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer indexed ``[b, kv_heads, slot, ...]`` (keys, values, positions, and the state if held)."""
+        return tuple(x for x in (self._k, self._v, self._pos, self._state) if x is not None)
 
     def _views(self) -> None:
         assert self._k is not None and self._v is not None
@@ -118,11 +130,10 @@ class SparseLayer(DynamicLayer):
         Returns the live keys and values ``[b, kv_heads, slots, d]`` (views of the buffer); the new ones last.
         """
         b, h, q, d = key_states.shape
-        if self.heads is not None:
+        if self.regions is not None:  # a split layer: each head's new rows after its own live slots
             if self._incoming is not None:
                 raise RuntimeError("a layer split per head takes no pruned rows")
-            for i, head in enumerate(self.heads):
-                head.update(key_states[:, i : i + 1], value_states[:, i : i + 1])
+            self.regions.append(key_states, value_states, self.seen)
             self.seen += q
             return key_states, value_states  # attention reads each head's own slots
         if self._k is None:
@@ -163,15 +174,13 @@ class SparseLayer(DynamicLayer):
         return self.num_slots() + query_length, 0
 
     def num_slots(self) -> int:
-        """Slots held per KV head (a split layer: by its fullest head)."""
-        if self.heads is not None:
-            return max(head.num_slots() for head in self.heads)
-        return self._slots
+        """Slots held per KV head (a split layer: by all its heads together)."""
+        return self._slots if self.regions is None else self.regions.held()
 
     def nbytes(self) -> int:
         """Bytes of the live keys and values (what the layer holds; the buffer may hold a few more free slots)."""
-        if self.heads is not None:
-            return sum(head.nbytes() for head in self.heads)
+        if self.regions is not None:
+            return self.regions.nbytes()
         if self._k is None or self._slots == 0:
             return 0
         b, h, _, d = self._k.shape
@@ -179,8 +188,8 @@ class SparseLayer(DynamicLayer):
 
     def allocated_bytes(self) -> int:
         """Bytes of the whole key and value buffers, free slots included."""
-        if self.heads is not None:
-            return sum(head.allocated_bytes() for head in self.heads)
+        if self.regions is not None:
+            return self.regions.allocated_bytes()
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
 
     # -- eviction ----------------------------------------------------------------------------------------
@@ -219,12 +228,11 @@ class SparseLayer(DynamicLayer):
         if e == 0:
             return slots, evicted_positions
         k = n - e
-        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
+        if e == 1 and b == 1:  # the decode step        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
             heads = torch.arange(h, device=slots.device)
             hole = slots[0, :, 0]
-            for buffer in (self._k, self._v, self._pos, self._state):
-                if buffer is not None:
-                    buffer[0, heads, hole] = buffer[0, heads, n - 1]
+            for buffer in self._slot_buffers():
+                buffer[0, heads, hole] = buffer[0, heads, n - 1]
             self._slots = k
             self._views()
         elif e <= IN_PLACE_EVICTIONS and b == 1:
@@ -232,9 +240,8 @@ class SparseLayer(DynamicLayer):
             hole_h, hole_s = (~kept[:, :k]).nonzero(as_tuple=True)  # per head, as many holes below k as survivors above
             move_h, move_s = kept[:, k:].nonzero(as_tuple=True)
             move_s = move_s + k
-            for buffer in (self._k, self._v, self._pos, self._state):
-                if buffer is not None:
-                    buffer[0, hole_h, hole_s] = buffer[0, move_h, move_s]
+            for buffer in self._slot_buffers():
+                buffer[0, hole_h, hole_s] = buffer[0, move_h, move_s]
             self._slots = k
             self._views()
         else:
@@ -244,39 +251,38 @@ class SparseLayer(DynamicLayer):
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
 
-    def split(self, keep: list[torch.Tensor], budgets: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Store each KV head in a one-head layer of its own, head ``i`` keeping its slots ``keep[i]`` ``[k_i]``.
-
-        Each head's buffer is sized to its own slots (plus a little room to append), so the layer's
-        memory is the heads' sum. ``budgets`` are the slots each head keeps from then on (default: none).
+    def split(self, keep: list[torch.Tensor], budgets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Let each KV head keep its own slots: head ``i`` keeps ``keep[i]`` ``[k_i]`` (slot indices), and
+        ``budgets[i]`` slots from then on (:class:`HeadRegions`; memory is the kept slots).
 
         Returns, per head, ``(evicted_slots, evicted_positions)``, each ``[1, 1, e_i]`` ordered by position.
         """
         positions = self.positions
-        assert positions is not None and self._k is not None and self._v is not None
+        assert positions is not None and self.keys is not None and self.values is not None
         b, h, n = positions.shape
-        if b != 1 or len(keep) != h:
-            raise RuntimeError(f"split needs one sequence and one keep set per KV head, got b={b} and {len(keep)} sets")
-        heads, evicted = [], []
+        if b != 1 or len(keep) != h or len(budgets) != h:
+            raise RuntimeError(f"split needs one sequence and one keep set and budget per KV head, got b={b}, "
+                               f"{len(keep)} sets and {len(budgets)} budgets for {h} heads")
+        evicted = []
         for i, slots in enumerate(keep):
-            head = SparseLayer()
-            head.dtype, head.device, head.is_initialized, head.seen = self.dtype, self.device, True, self.seen
-            head._k, head._v, head._pos = self._k[:, i : i + 1], self._v[:, i : i + 1], self._pos[:, i : i + 1]
-            head._state = None if self._state is None else self._state[:, i : i + 1]
-            head._slots = n
-            head._views()
-            kept = torch.zeros(n, dtype=torch.bool, device=slots.device).scatter_(0, slots, True)
-            dropped = (~kept).nonzero(as_tuple=True)[0].view(1, 1, -1)
-            k = int(slots.numel())
-            order = slots.view(1, 1, -1).sort(dim=-1).values
-            head._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), order)  # its own buffer, sized to its slots
-            evicted.append((dropped, positions[:, i : i + 1].gather(-1, dropped)))
-            heads.append(head)
+            dropped = torch.ones(n, dtype=torch.bool, device=slots.device).index_fill_(0, slots, False)
+            where = dropped.nonzero(as_tuple=True)[0].view(1, 1, -1)
+            evicted.append((where, positions[:, i : i + 1].gather(-1, where)))
+        state = self.state
+        self.regions = HeadRegions(self.keys[0], self.values[0], positions[0], None if state is None else state[0],
+                                   keep, budgets)
         self._k = self._v = self._pos = self._state = None
         self._slots = 0
-        self.keys = self.values = None
-        self.heads, self.head_budgets = heads, budgets
+        self.keys = self.values = None  # read each head's through ``regions``
         return evicted
+
+    def head_slots(self) -> list[torch.Tensor]:
+        """Per KV head, ``[slots]`` the original positions it holds (batch 0, in slot order)."""
+        if self.regions is not None:
+            return self.regions.head_positions()
+        positions = self.positions
+        assert positions is not None
+        return list(positions[0])
 
     def hidden_slots(self) -> torch.Tensor | None:
         """``[b, kv_heads, slots]`` bool: held slots no later query can see (a sliding layer); None for a global layer."""
@@ -304,9 +310,8 @@ class SparseLayer(DynamicLayer):
             if e > IN_PLACE_EVICTIONS:
                 self._reallocate(n - e + GROW_SLOTS, torch.arange(e, n, device=positions.device).expand(*positions.shape[:-1], n - e))
             else:
-                for buffer in (self._k, self._v, self._pos, self._state):
-                    if buffer is not None:
-                        buffer[:, :, : n - e] = buffer[:, :, e:n].clone()
+                for buffer in self._slot_buffers():
+                    buffer[:, :, : n - e] = buffer[:, :, e:n].clone()
                 self._slots = n - e
                 self._views()
             return e
@@ -323,7 +328,7 @@ class SparseLayer(DynamicLayer):
         tokens are as before the pass.
         """
         positions = self.positions
-        if self.heads is not None:
+        if self.regions is not None:
             raise RuntimeError("cannot truncate a layer split per head")
         if count <= 0 or positions is None:
             return
@@ -338,14 +343,11 @@ class SparseLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError("SparseLayer.crop takes a negative count of tokens to remove")
         r = -tokens_to_remove
-        if self.heads is not None:
-            for head in self.heads:
-                head.crop(tokens_to_remove)
-            self.seen -= r
-            return
         positions = self.positions
         if r == 0 or positions is None:
             return
+        if self.regions is not None:
+            raise RuntimeError("cannot crop a layer split per head")  # its policy (kvzip) refuses drafting
         cutoff = self.seen - r
         newest = positions >= cutoff
         if not bool((newest.sum(dim=-1) == r).all()):
@@ -356,7 +358,7 @@ class SparseLayer(DynamicLayer):
     def reset(self) -> None:
         self._k = self._v = self._pos = self._state = None
         self._slots = 0
-        self.heads = self.head_budgets = None
+        self.regions = None
         super().reset()
         self.seen = 0
         self._incoming = None
@@ -381,14 +383,8 @@ class SparseCache(Cache):
 
     def kept_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer, per KV head, ``[slots]`` original positions of the slots held (batch 0), ascending."""
-        kept: list[list[torch.Tensor] | None] = []
-        for layer in self.layers:
-            heads = [layer] if layer.heads is None else layer.heads
-            if any(head.positions is None for head in heads):
-                kept.append(None)
-                continue
-            kept.append([row for head in heads for row in head.positions[0].sort(dim=-1).values])  # type: ignore[union-attr]
-        return kept
+        return [None if layer.positions is None else [p.sort().values for p in layer.head_slots()]
+                for layer in self.layers]
 
     def release(self) -> None:
         """Free every layer's buffers (a finished or cancelled sequence)."""

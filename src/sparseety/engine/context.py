@@ -23,7 +23,15 @@ from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
 from sparseety.engine.window import window_edge
-from sparseety.policies.base import Observation, Policy, Signal, protect, select_evict, select_keep
+from sparseety.policies.base import (
+    Observation,
+    Policy,
+    Signal,
+    protect,
+    select_evict,
+    select_evict_by_head,
+    select_keep,
+)
 from sparseety.policies.kvzip import ReconstructionChunk
 from sparseety.policies.rotary import inverse_frequencies
 
@@ -366,11 +374,6 @@ class RunContext:
         budget = self.layer_budget(layer)
         return budget is not None and n > budget
 
-    def will_evict_head(self, layer: int, head: int, n: int) -> bool:
-        """True when KV head ``head`` of the split layer ``layer``, holding ``n`` slots, evicts after this step."""
-        budgets = self.cache.layers[layer].head_budgets
-        return self.evicting and budgets is not None and n > budgets[head]
-
     def observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         """Record what layer ``layer`` attended to, let the policy score and evict; a sliding layer then slides."""
         if self.reconstruction is not None:
@@ -415,23 +418,40 @@ class RunContext:
             assert budget is not None
             self._evict(layer, self._eviction_order(hidden_first(scores, cache_layer), cache_layer), budget, self.step)
 
-    def observe_heads(self, layer: int, signals: list[LayerSignals]) -> None:
-        """A layer split per KV head (``signals[i]`` from head ``i``'s own attention, its ``g`` query heads):
-        record importance, then let the policy score and evict each head to its own count."""
+    def observe_split(self, layer: int, last_rows: list[torch.Tensor] | None) -> None:
+        """A layer split per KV head: record the newest row's attention (``last_rows[i]`` ``[1, g, n_i]``, head
+        ``i``'s query heads over its live slots), then let the policy score the layer's row and evict each
+        head down to its own count."""
         if self.prompt_forward and self.on_prefill_layer is not None:
             self.on_prefill_layer(layer, self.num_layers)
-        heads = self.cache.layers[layer].heads
-        budgets = self.cache.layers[layer].head_budgets
-        assert heads is not None
-        if self.records(layer) and all(seen.last_row is not None for seen in signals):
-            self._record_importance(layer, torch.cat([head.positions[0, 0] for head in heads]),  # type: ignore[index]
-                                    torch.cat([seen.last_row.mean(dim=1)[0] for seen in signals]))  # type: ignore[union-attr]
+        cache_layer = self.cache.layers[layer]
+        regions = cache_layer.regions
+        assert regions is not None
+        per_head = None if last_rows is None else [rows.mean(dim=1)[0] for rows in last_rows]  # [n_i] each
+        if per_head is not None and self.records(layer):
+            self._record_importance(layer, torch.cat(regions.head_positions()), torch.cat(per_head))
         if not self.evicting:
             return
-        for i, (head, seen) in enumerate(zip(heads, signals)):
-            scores = self._score(layer, head, head.keys, seen, 1)
-            if budgets is not None and scores.shape[-1] > budgets[i]:
-                self._evict(layer, self._eviction_order(scores, head), budgets[i], self.step, head=i)
+        signal = None
+        if per_head is not None:  # over the whole row, 0 on free slots
+            signal = regions.k.new_zeros(1, 1, regions.pos.shape[-1], dtype=torch.float32)
+            for i, values in enumerate(per_head):
+                signal[0, 0, regions.live(i)] = values
+        scores = self._score(layer, cache_layer, regions.k, LayerSignals(last_row=signal), 1)
+        excess = regions.excess()
+        if excess <= 0:
+            return
+        scores = self._eviction_order(scores, cache_layer).masked_fill(regions.pos < 0, float("inf"))
+        if excess == 1:  # the decode step: one slot out of each head over its count
+            slots, heads, where = regions.evict_lowest(scores[0, 0])
+            evicted, owners, positions = (torch.tensor(x, dtype=torch.long) for x in (slots, heads, where))
+        else:
+            chosen = select_evict_by_head(scores[0, 0], regions.pos[0, 0], regions.owner[0, 0], regions.budget_tensor,
+                                          regions.counts)
+            evicted, owners, positions = regions.evict(chosen)
+        if self.tier >= 1:
+            self.evictions.add(self.step, layer, positions.view(1, -1),
+                               scores[0, 0, evicted.to(scores.device)].view(1, -1), heads=owners)
 
     def _score(self, layer: int, cache_layer: SparseLayer, key: torch.Tensor, seen: LayerSignals,
                kv_heads: int) -> torch.Tensor:
@@ -457,13 +477,12 @@ class RunContext:
         return protect(scores.clamp(max=torch.finfo(scores.dtype).max),
                        cache_layer.positions >= cache_layer.seen - self.drafts_in_forward)
 
-    def _evict(self, layer: int, scores: torch.Tensor, budget: int, step: int, head: int | None = None) -> None:
-        """Keep the ``budget`` best slots by ``scores`` ``[b, kv_heads, n]`` of layer ``layer`` (or of its KV head
-        ``head``, a split layer); record the rest at ``step``."""
-        target = self.cache.layers[layer] if head is None else self.cache.layers[layer].heads[head]  # type: ignore[index]
-        evicted_slots, evicted_positions = target.evict(select_evict(scores, budget, target.positions))
+    def _evict(self, layer: int, scores: torch.Tensor, budget: int, step: int) -> None:
+        """Keep layer ``layer``'s ``budget`` best slots by ``scores`` ``[b, kv_heads, n]``; record the rest at ``step``."""
+        cache_layer = self.cache.layers[layer]
+        evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, cache_layer.positions))
         if self.tier >= 1:
-            self.evictions.add(step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]), head=head)
+            self.evictions.add(step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
 
     # -- a reconstructing policy's own pass (kvzip) --------------------------------------------------
     @contextlib.contextmanager
@@ -533,7 +552,8 @@ class RunContext:
         evicted = cache_layer.split(keep, counts)
         if self.tier >= 1:
             for i, (slots, where) in enumerate(evicted):
-                self.evictions.add(0, layer, where[0], scores[0, i : i + 1].gather(-1, slots[0]), head=i)
+                self.evictions.add(0, layer, where[0], scores[0, i : i + 1].gather(-1, slots[0]),
+                                   heads=torch.full((slots.shape[-1],), i))
 
     def _carry(self, layer: int, seen: LayerSignals) -> None:
         """Keep an earlier chunk's signals, joined to what the chunks before it carried."""

@@ -23,17 +23,17 @@ class EventLog:
     _layers: list[int] = field(default_factory=list)
     _positions: list[torch.Tensor] = field(default_factory=list)
     _scores: list[torch.Tensor] = field(default_factory=list)
-    _heads: list[int | None] = field(default_factory=list)
+    _heads: list[torch.Tensor | None] = field(default_factory=list)
 
     def add(self, step: int, layer: int, positions: torch.Tensor, scores: torch.Tensor | None,
-            head: int | None = None) -> None:
-        """Record ``positions`` ``[kv_heads, e]`` (with their ``scores``) at ``(step, layer)``;
-        with ``head``, ``positions`` is ``[1, e]``, that one KV head's (a layer split per head)."""
+            heads: torch.Tensor | None = None) -> None:
+        """Record ``positions`` ``[kv_heads, e]`` (with their ``scores``) at ``(step, layer)``; with ``heads``
+        ``[e]`` (a layer split per head), ``positions`` is ``[1, e]`` and ``heads`` names each one's KV head."""
         if positions.numel() == 0:
             return
         self._steps.append(step)
         self._layers.append(layer)
-        self._heads.append(head)
+        self._heads.append(None if heads is None else heads.detach().reshape(-1))
         self._positions.append(positions.detach())
         self._scores.append(
             torch.full(positions.shape, float("nan")) if scores is None else scores.detach().float()
@@ -55,8 +55,10 @@ class EventLog:
             layers.append(np.full(kvh * e, layer, dtype=np.int64))
             if self.all_heads:
                 heads.append(np.full(kvh * e, -1, dtype=np.int64))
+            elif head is not None:
+                heads.append(head.cpu().numpy().astype(np.int64))
             else:
-                heads.append(np.repeat(np.arange(kvh, dtype=np.int64) + (head or 0), e))
+                heads.append(np.repeat(np.arange(kvh, dtype=np.int64), e))
             positions.append(pos.reshape(-1).cpu().numpy().astype(np.int64))
             scores.append(score.reshape(-1).cpu().numpy().astype(np.float32))
         position = np.concatenate(positions)

@@ -229,6 +229,42 @@ def select_evict(scores: torch.Tensor, budget: int, positions: torch.Tensor | No
     return by_position.gather(-1, order[..., budget:])
 
 
+def select_evict_by_head(scores: torch.Tensor, positions: torch.Tensor, heads: torch.Tensor,
+                         budgets: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    """:func:`select_evict` for slots of several KV heads in one row (a layer split per head): ``[e]`` slot
+    indices (any order, none when every head is within budget) leaving KV head ``i`` its ``budgets[i]``
+    best slots; ties go to the lower position. Slots at position -1 are free: never chosen, never counted.
+
+    Parameters
+    ----------
+    scores, positions, heads : ``[n]`` each slot's score, original position and KV head.
+    budgets : ``[kv_heads]`` long.
+    counts : the live slots of each head, when the caller knows them (else counted here).
+    """
+    live = positions >= 0
+    if counts is None:
+        counts = torch.bincount(heads[live], minlength=budgets.numel()).tolist()
+    excess = [n - b for n, b in zip(counts, budgets.tolist())]
+    if max(excess) <= 0:
+        return heads.new_zeros(0)
+    over = torch.tensor([x > 0 for x in excess], device=heads.device)
+    if max(excess) == 1:  # the decode step: per head over budget, the newest live slot among its lowest scores
+        scores = scores.masked_fill(~live, float("inf"))
+        lowest = scores.new_full(budgets.shape, float("inf")).scatter_reduce(0, heads, scores, "amin")
+        tied = scores == lowest[heads]
+        newest = positions.new_full(budgets.shape, -1).scatter_reduce(0, heads, torch.where(tied, positions, -1), "amax")
+        return (tied & (positions == newest[heads]) & over[heads] & live).nonzero(as_tuple=True)[0]
+    scores = scores.masked_fill(~live, float("-inf"))  # free slots rank last, and are dropped from the answer
+    by_position = positions.argsort(stable=True)
+    order = by_position[torch.sort(scores[by_position], descending=True, stable=True).indices]  # best first
+    order = order[torch.sort(heads[order], stable=True).indices]  # head after head, best first within each
+    owner = heads[order]
+    per_head = torch.bincount(heads, minlength=budgets.numel())
+    rank = torch.arange(order.numel(), device=order.device) - (per_head.cumsum(0) - per_head)[owner]
+    chosen = order[rank >= budgets[owner]]
+    return chosen[live[chosen]]
+
+
 def check_positive_int(policy: str, field: str, value: Any, minimum: int = 1) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an int ``>= minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

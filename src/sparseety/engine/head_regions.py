@@ -1,0 +1,179 @@
+"""``HeadRegions``: one layer's KV heads each holding its own number of slots (kvzip's per-head counts).
+
+KVzip (as kvpress's ``KVzipPress`` chooses) keeps a different number of slots in every KV head. A
+rectangular ``[b, kv_heads, n, d]`` buffer would have to hold the busiest head's count in all of
+them; here the heads share one row ``[1, 1, capacity, d]`` in which head ``i`` owns a region
+``offsets[i] .. offsets[i] + capacities[i]`` whose first ``counts[i]`` slots are live, so memory is
+the kept slots plus a little room to append. Each head's live slots are contiguous, so attention
+runs per KV group over a plain view (no mask, no wasted products). Dead slots (a region's free room)
+have position -1 and take no part in anything. The bookkeeping (offsets, counts) lives in Python
+ints: a step reads no tensor to know where to write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The most free slots a region is given when it is (re)built.
+REGION_ROOM = 256
+
+
+def _room(count: int) -> int:
+    """Free slots a region of ``count`` live slots is given when it is (re)built."""
+    return min(REGION_ROOM, max(8, count // 8))
+
+
+class HeadRegions:
+    """The slots of one sequence's layer, KV head by KV head (see the module docstring).
+
+    Parameters
+    ----------
+    keys, values : ``[kv_heads, n, d]`` the layer's live slots; positions ``[kv_heads, n]``;
+        state ``[kv_heads, n]`` or None (the policy's accumulator).
+    keep : per KV head, ``[k_i]`` the slot indices it keeps (any order).
+    budgets : per KV head, the slots it keeps from then on.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 state: torch.Tensor | None, keep: list[torch.Tensor], budgets: list[int]) -> None:
+        slots = [s.sort().values for s in keep]
+        self.budgets = list(budgets)
+        self.counts = [int(s.numel()) for s in slots]
+        self._build([keys[i, s] for i, s in enumerate(slots)], [values[i, s] for i, s in enumerate(slots)],
+                    [positions[i, s] for i, s in enumerate(slots)],
+                    None if state is None else [state[i, s] for i, s in enumerate(slots)], [0] * len(slots))
+
+    def _build(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[torch.Tensor],
+               state: list[torch.Tensor] | None, extra: list[int]) -> None:
+        """New buffers holding each head's live ``keys[i]`` ... (``[count_i, ...]``), with room for ``extra[i]`` more."""
+        self.capacities = [c + x + _room(c + x) for c, x in zip(self.counts, extra)]
+        self.offsets = [sum(self.capacities[:i]) for i in range(len(self.capacities))]
+        total, d = sum(self.capacities), keys[0].shape[-1]
+        ref = keys[0]
+        self.k = ref.new_zeros(1, 1, total, d)
+        self.v = values[0].new_zeros(1, 1, total, d)
+        self.pos = torch.full((1, 1, total), -1, dtype=torch.long, device=ref.device)
+        self.state = None if state is None else state[0].new_zeros(1, 1, total)
+        self.owner = torch.cat([torch.full((c,), i, dtype=torch.long, device=ref.device)
+                                for i, c in enumerate(self.capacities)]).view(1, 1, total)
+        for i, (start, n) in enumerate(zip(self.offsets, self.counts)):
+            self.k[0, 0, start : start + n], self.v[0, 0, start : start + n] = keys[i], values[i]
+            self.pos[0, 0, start : start + n] = positions[i]
+            if self.state is not None and state is not None:
+                self.state[0, 0, start : start + n] = state[i]
+        self.budget_tensor = torch.tensor(self.budgets, dtype=torch.long, device=ref.device)
+
+    # -- views ---------------------------------------------------------------------------------------
+    @property
+    def heads(self) -> int:
+        return len(self.counts)
+
+    def live(self, head: int) -> slice:
+        """Head ``head``'s live slots in the row."""
+        return slice(self.offsets[head], self.offsets[head] + self.counts[head])
+
+    def head_keys(self, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([1, 1, n_i, d], [1, 1, n_i, d])`` head ``head``'s live keys and values (views)."""
+        live = self.live(head)
+        return self.k[:, :, live], self.v[:, :, live]
+
+    def head_positions(self) -> list[torch.Tensor]:
+        """Per KV head, ``[n_i]`` the original positions of its live slots (slot order)."""
+        return [self.pos[0, 0, self.live(i)] for i in range(self.heads)]
+
+    def held(self) -> int:
+        """Live slots over all heads."""
+        return sum(self.counts)
+
+    # -- changes -----------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Write ``[1, kv_heads, q, d]`` new keys/values, positions ``first .. first + q - 1``, after each
+        head's live slots (its region grows first when full)."""
+        q = keys.shape[2]
+        if any(n + q > c for n, c in zip(self.counts, self.capacities)):
+            self._regrow(q)
+        index = torch.tensor([start + n + j for start, n in zip(self.offsets, self.counts) for j in range(q)],
+                             device=self.k.device)
+        self.k[0, 0, index] = keys[0].reshape(-1, keys.shape[-1])
+        self.v[0, 0, index] = values[0].reshape(-1, values.shape[-1])
+        self.pos[0, 0, index] = torch.arange(first, first + q, device=self.k.device).repeat(self.heads)
+        if self.state is not None:
+            self.state[0, 0, index] = 0
+        self.counts = [n + q for n in self.counts]
+
+    def _regrow(self, q: int) -> None:
+        lives = [self.live(i) for i in range(self.heads)]
+        self._build([self.k[0, 0, s] for s in lives], [self.v[0, 0, s] for s in lives],
+                    [self.pos[0, 0, s] for s in lives],
+                    None if self.state is None else [self.state[0, 0, s] for s in lives], [q] * self.heads)
+
+    def evict(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drop the row's ``slots`` ``[e]`` (live, distinct): in each region the live slots above its new
+        count fill the holes below it, so the region stays contiguous.
+
+        Returns ``(slots, heads, positions)``, each ``[e]``: the dropped slots (their indices before the
+        move), their KV heads and original positions, head by head.
+        """
+        freed = sorted(slots.tolist())
+        by_head: dict[int, list[int]] = {}
+        for s in freed:
+            head = max(i for i, start in enumerate(self.offsets) if start <= s)
+            by_head.setdefault(head, []).append(s)
+        ordered = [s for head in sorted(by_head) for s in by_head[head]]
+        order = torch.tensor(ordered, dtype=torch.long, device=self.k.device)
+        heads = torch.tensor([head for head in sorted(by_head) for _ in by_head[head]], device=self.k.device)
+        positions = self.pos[0, 0, order]
+        holes, movers, dead = [], [], []
+        for head, gone in by_head.items():
+            start, n = self.offsets[head], self.counts[head]
+            k = n - len(gone)
+            out = set(gone)
+            holes += [s for s in gone if s < start + k]
+            movers += [t for t in range(start + k, start + n) if t not in out]
+            dead += range(start + k, start + n)
+            self.counts[head] = k
+        if holes:
+            src, dst = torch.tensor(movers, device=self.k.device), torch.tensor(holes, device=self.k.device)
+            for buffer in (self.k, self.v, self.pos, self.state):
+                if buffer is not None:
+                    buffer[0, 0, dst] = buffer[0, 0, src]
+        self.pos[0, 0, torch.tensor(dead, dtype=torch.long, device=self.k.device)] = -1
+        return order, heads, positions
+
+    def evict_lowest(self, scores: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+        """The decode step: every head over its budget by one drops its lowest-scored live slot (ties: the
+        newest position), the region's last live slot taking its place. ``scores`` ``[capacity]``.
+
+        Returns ``(slots, heads, positions)``: the dropped slots (indices before the move), their heads and
+        original positions, one entry per head that evicted.
+        """
+        slots, heads, positions = [], [], []
+        for head, (start, n, budget) in enumerate(zip(self.offsets, self.counts, self.budgets)):
+            if n <= budget:
+                continue
+            live = slice(start, start + n)
+            region, where = scores[live], self.pos[0, 0, live]
+            lowest = torch.where(region == region.min(), where, -1).argmax()
+            hole, last = start + int(lowest), start + n - 1
+            slots.append(hole)
+            heads.append(head)
+            positions.append(int(self.pos[0, 0, hole]))
+            if hole != last:
+                for buffer in (self.k, self.v, self.pos, self.state):
+                    if buffer is not None:
+                        buffer[0, 0, hole] = buffer[0, 0, last]
+            self.pos[0, 0, last] = -1
+            self.counts[head] = n - 1
+        return slots, heads, positions
+
+    def excess(self) -> int:
+        """The most slots any head holds above its budget (0 or less: none to evict)."""
+        return max(n - b for n, b in zip(self.counts, self.budgets))
+
+    def nbytes(self) -> int:
+        """Bytes of the live keys and values."""
+        return 2 * self.held() * self.k.shape[-1] * self.k.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the key and value buffers, free room included."""
+        return 2 * self.k.numel() * self.k.element_size()
