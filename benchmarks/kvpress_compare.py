@@ -272,16 +272,16 @@ def tables(ours: list[dict], theirs: list[dict]) -> list[dict]:
     table = []
     for key in a:
         task, policy, ratio = key
-        dense_a = a.get((task, "dense", 0.0), (0, 0, 0))[2] or 1
-        dense_b = b.get((task, "dense", 0.0), (0, 0, 0))[2] or 1
+        dense_a = a.get((task, "dense", 0.0), (0, 0, 0))[2]  # 0: no dense run to divide by (--skip-dense)
+        dense_b = b.get((task, "dense", 0.0), (0, 0, 0))[2]
         acc_a, sec_a, kv_a, n = a[key]
         row = {"task": task, "policy": policy, "press": PAIRS.get(policy), "ratio": ratio, "cases": n,
                "accuracy_sparseety": round(acc_a, 4), "seconds_per_case_sparseety": round(sec_a, 3),
-               "kv_bytes_sparseety": int(kv_a), "kv_fraction_of_dense_sparseety": round(kv_a / dense_a, 4)}
+               "kv_bytes_sparseety": int(kv_a), "kv_fraction_of_dense_sparseety": round(kv_a / dense_a, 4) if dense_a else None}
         if key in b:
             acc_b, sec_b, kv_b, _ = b[key]
             row.update({"accuracy_kvpress": round(acc_b, 4), "seconds_per_case_kvpress": round(sec_b, 3),
-                        "kv_bytes_kvpress": int(kv_b), "kv_fraction_of_dense_kvpress": round(kv_b / dense_b, 4)})
+                        "kv_bytes_kvpress": int(kv_b), "kv_fraction_of_dense_kvpress": round(kv_b / dense_b, 4) if dense_b else None})
         table.append(row)
     return table
 
@@ -361,12 +361,14 @@ def markdown(document: dict) -> str:
     for p in policies:
         rows = []
         for x in [0.0, *ratios]:
-            group = [r for r in table if r["policy"] == p and r["ratio"] == x]
+            group = [r for r in table if r["policy"] == p and r["ratio"] == x
+                     and r["kv_fraction_of_dense_sparseety"] is not None]
             if not group:
                 rows.append("-")
                 continue
             ours = sum(r["kv_fraction_of_dense_sparseety"] for r in group) / len(group)
-            theirs = [r["kv_fraction_of_dense_kvpress"] for r in group if "kv_fraction_of_dense_kvpress" in r]
+            theirs = [r["kv_fraction_of_dense_kvpress"] for r in group
+                      if r.get("kv_fraction_of_dense_kvpress") is not None]
             rows.append(f"{ours:.3f}" + (f" / {sum(theirs) / len(theirs):.3f}" if theirs else ""))
         out.append(f"| {p} | " + " | ".join(rows) + " |")
     dense = [r for r in table if r["policy"] == "dense"]

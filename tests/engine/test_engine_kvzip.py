@@ -46,11 +46,17 @@ def reference_budgets(scores: torch.Tensor, budget: int) -> list[int]:
 
 def reference_head_counts(scores: torch.Tensor, budget: int, layers: list[int]) -> dict[int, list[int]]:
     """Per layer of ``layers``, per KV head: how many of the best ``len(layers) x heads x budget`` slots over
-    all of them (ties: lower layer, head, position) it holds, at least one."""
-    cells = [(-float(scores[layer, head, p]), layer, head, p)
-             for layer in layers for head in range(KV_HEADS) for p in range(scores.shape[-1])]
+    all of them it holds, each head's best slot (the first of its maxima) first, then ties to the lower
+    layer, head, position."""
+    n = scores.shape[-1]
+    cells = []
+    for layer in layers:
+        for head in range(KV_HEADS):
+            row = [float(scores[layer, head, p]) for p in range(n)]
+            best = row.index(max(row))
+            cells += [(0 if p == best else 1, -row[p], layer, head, p) for p in range(n)]
     won = sorted(cells)[: len(layers) * KV_HEADS * budget]
-    return {layer: [max(1, sum(1 for c in won if c[1] == layer and c[2] == head)) for head in range(KV_HEADS)]
+    return {layer: [sum(1 for c in won if c[2] == layer and c[3] == head) for head in range(KV_HEADS)]
             for layer in layers}
 
 

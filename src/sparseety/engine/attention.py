@@ -303,14 +303,15 @@ def attend_split(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, 
     for i in range(regions.heads):
         rows = query[:, i * g : (i + 1) * g]
         key, value = regions.head_keys(i)
-        if q == 1 and plan.last_row:
-            out, probs = decode_attention_with_probs(rows, key, value, scaling)
-            last_rows.append(probs)
+        if q == 1:  # the decode step: two plain matrix products per head, ``[g, d] @ [d, n_i]``
+            logits = torch.mm(rows[0, :, 0], key[0, 0].t()).mul_(scaling)
+            probs = torch.softmax(logits.float(), dim=-1)
+            outputs.append(torch.mm(probs.to(value.dtype), value[0, 0]).view(1, 1, g, -1))
+            last_rows.append(probs.unsqueeze(0))
         else:
-            out = causal_attention(module, rows, key, value, scaling, **kwargs)
+            outputs.append(causal_attention(module, rows, key, value, scaling, **kwargs))
             if plan.last_row:
                 last_rows.append(row_probs(rows[:, :, q - 1 :], key, scaling)[:, :, 0])
-        outputs.append(out)
     ctx.observe_split(layer, last_rows if plan.last_row else None)
     return torch.cat(outputs, dim=2)
 

@@ -92,6 +92,14 @@ class HeadRegions:
         q = keys.shape[2]
         if any(n + q > c for n, c in zip(self.counts, self.capacities)):
             self._regrow(q)
+        if q == 1:  # the decode step: one slot per head, by plain copies
+            for i, (start, n) in enumerate(zip(self.offsets, self.counts)):
+                self.k[0, 0, start + n], self.v[0, 0, start + n] = keys[0, i, 0], values[0, i, 0]
+                self.pos[0, 0, start + n] = first
+                if self.state is not None:
+                    self.state[0, 0, start + n] = 0
+            self.counts = [n + 1 for n in self.counts]
+            return
         index = torch.tensor([start + n + j for start, n in zip(self.offsets, self.counts) for j in range(q)],
                              device=self.k.device)
         self.k[0, 0, index] = keys[0].reshape(-1, keys.shape[-1])

@@ -80,7 +80,8 @@ class KVzipPolicy(Policy):
 
     Budgets across layers and heads. By default (``per_head=true``, kvpress's ``KVzipPress``) one
     ranking over every (layer, KV head, slot) of the layers that compress keeps the best ``sum of
-    budgets x KV heads`` slots (ties: the lower layer, head, position; every head keeps at least one),
+    budgets x KV heads`` slots (ties: the lower layer, head, position; each head's best slot first, so
+    every head keeps at least one),
     so each head keeps its own count. Unlike kvpress, which masks the rest and holds every slot, the
     engine evicts them and stores such a layer per head (each head a buffer of its own), so memory is
     the kept slots: the same total as uniform budgets. ``layerwise=true`` ranks within each layer
@@ -172,14 +173,18 @@ def head_counts(scores: dict[int, torch.Tensor], budgets: dict[int, int], layers
     """Per layer of ``layers``, the slots each KV head keeps when one ranking over all their (layer, head,
     slot) scores (``[1, kv_heads, n]`` each) keeps the best ``sum(budgets) x kv_heads``.
 
-    Ties go to the lower layer, head, then slot (a stable sort in that order); every head keeps at
-    least one slot.
+    Every head's best slot (its first, on ties) ranks first, so each keeps at least one and the counts
+    add up to exactly that total; other ties go to the lower layer, head, then slot (a stable sort).
     """
     heads = [scores[layer].shape[1] for layer in layers]
-    flat = torch.cat([scores[layer][0].float().reshape(-1).cpu() for layer in layers])
+    ranked = []
+    for layer in layers:
+        s = scores[layer][0].float().cpu().clone()
+        s.scatter_(-1, s.argmax(dim=-1, keepdim=True), float("inf"))
+        ranked.append(s.reshape(-1))
     owner = torch.cat([torch.arange(kv_heads).repeat_interleave(scores[layer].shape[2]) + sum(heads[:i])
                        for i, (layer, kv_heads) in enumerate(zip(layers, heads))])  # each slot's (layer, head), flat
     total = sum(budgets[layer] * kv_heads for layer, kv_heads in zip(layers, heads))
-    won = owner[torch.sort(flat, descending=True, stable=True).indices[:total]]
-    counts = torch.bincount(won, minlength=sum(heads)).clamp(min=1).split(heads)
+    won = owner[torch.sort(torch.cat(ranked), descending=True, stable=True).indices[:total]]
+    counts = torch.bincount(won, minlength=sum(heads)).split(heads)
     return {layer: c.tolist() for layer, c in zip(layers, counts)}
