@@ -418,33 +418,28 @@ class RunContext:
             assert budget is not None
             self._evict(layer, self._eviction_order(hidden_first(scores, cache_layer), cache_layer), budget, self.step)
 
-    def observe_split(self, layer: int, last_rows: list[torch.Tensor] | None) -> None:
-        """A layer split per KV head: record the newest row's attention (``last_rows[i]`` ``[1, g, n_i]``, head
-        ``i``'s query heads over its live slots), then let the policy score the layer's row and evict each
+    def observe_split(self, layer: int, signal: torch.Tensor | None) -> None:
+        """A layer split per KV head: record the newest row's attention (``signal`` ``[1, 1, capacity]``, each
+        slot's from its KV group, 0 on free slots), then let the policy score the layer's row and evict each
         head down to its own count."""
         if self.prompt_forward and self.on_prefill_layer is not None:
             self.on_prefill_layer(layer, self.num_layers)
         cache_layer = self.cache.layers[layer]
         regions = cache_layer.regions
         assert regions is not None
-        per_head = None if last_rows is None else [rows.mean(dim=1)[0] for rows in last_rows]  # [n_i] each
-        if per_head is not None and self.records(layer):
-            self._record_importance(layer, torch.cat(regions.head_positions()), torch.cat(per_head))
+        if signal is not None and self.records(layer):
+            lives = [regions.live(i) for i in range(regions.heads)]
+            self._record_importance(layer, torch.cat([regions.pos[0, 0, s] for s in lives]),
+                                    torch.cat([signal[0, 0, s] for s in lives]))
         if not self.evicting:
             return
-        signal = None
-        if per_head is not None:  # over the whole row, 0 on free slots
-            signal = regions.k.new_zeros(1, 1, regions.pos.shape[-1], dtype=torch.float32)
-            for i, values in enumerate(per_head):
-                signal[0, 0, regions.live(i)] = values
         scores = self._score(layer, cache_layer, regions.k, LayerSignals(last_row=signal), 1)
         excess = regions.excess()
         if excess <= 0:
             return
         scores = self._eviction_order(scores, cache_layer).masked_fill(regions.pos < 0, float("inf"))
         if excess == 1:  # the decode step: one slot out of each head over its count
-            slots, heads, where = regions.evict_lowest(scores[0, 0])
-            evicted, owners, positions = (torch.tensor(x, dtype=torch.long) for x in (slots, heads, where))
+            evicted, owners, positions = torch.tensor(regions.evict_lowest(scores[0, 0]), dtype=torch.long)
         else:
             chosen = select_evict_by_head(scores[0, 0], regions.pos[0, 0], regions.owner[0, 0], regions.budget_tensor,
                                           regions.counts)
