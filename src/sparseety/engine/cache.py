@@ -228,7 +228,7 @@ class SparseLayer(DynamicLayer):
         if e == 0:
             return slots, evicted_positions
         k = n - e
-        if e == 1 and b == 1:  # the decode step        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
+        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
             heads = torch.arange(h, device=slots.device)
             hole = slots[0, :, 0]
             for buffer in self._slot_buffers():
