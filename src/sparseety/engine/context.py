@@ -428,9 +428,7 @@ class RunContext:
         regions = cache_layer.regions
         assert regions is not None
         if signal is not None and self.records(layer):
-            lives = [regions.live(i) for i in range(regions.heads)]
-            self._record_importance(layer, torch.cat([regions.pos[0, 0, s] for s in lives]),
-                                    torch.cat([signal[0, 0, s] for s in lives]))
+            self._record_importance(layer, regions.live_values(regions.pos), regions.live_values(signal))
         if not self.evicting:
             return
         scores = self._score(layer, cache_layer, regions.k, LayerSignals(last_row=signal), 1)

@@ -77,6 +77,10 @@ class HeadRegions:
         live = self.live(head)
         return self.k[:, :, live], self.v[:, :, live]
 
+    def live_values(self, x: torch.Tensor) -> torch.Tensor:
+        """``[held]``: a per-slot row ``x`` (``[1, 1, capacity]``) at the live slots, head after head."""
+        return torch.cat([x[0, 0, self.live(i)] for i in range(self.heads)])
+
     def head_positions(self) -> list[torch.Tensor]:
         """Per KV head, ``[n_i]`` the original positions of its live slots (slot order)."""
         return [self.pos[0, 0, self.live(i)] for i in range(self.heads)]
