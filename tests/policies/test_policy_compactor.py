@@ -120,6 +120,15 @@ def test_the_sketch_is_seeded_and_deterministic():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_layer_sketches_are_the_draws_kvpress_makes_after_seeding_the_global_rng():
+    """CompactorPress draws ``torch.randn(b, h, d, k) / sqrt(k)`` at each layer, in layer order."""
+    torch.manual_seed(3)
+    theirs = [torch.randn(1, 2, 8, 4) * (1 / math.sqrt(4)) for _ in range(5)]
+    ours = [sketch(1, 2, 8, 4, seed=3, layer=layer) for layer in range(5)]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert not torch.equal(ours[1], ours[2])
+
+
 def test_decode_keeps_prefill_scores_protects_the_newest_and_scores_decoded_slots_zero():
     n = 20
     positions = torch.arange(n).expand(1, 2, n).clone()

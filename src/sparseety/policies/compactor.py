@@ -24,8 +24,13 @@ def _znorm(x: torch.Tensor) -> torch.Tensor:
 
 
 def sketch(b: int, h: int, d: int, k: int, seed: int, layer: int) -> torch.Tensor:
-    """``[b, h, d, k]`` Gaussian right sketch ``N(0, 1/k)``, drawn from a generator seeded by (seed, layer)."""
-    gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + layer) % (2**63))
+    """``[b, h, d, k]`` Gaussian right sketch ``N(0, 1/k)`` of layer ``layer``: the ``layer + 1``-th such draw
+    from a generator seeded by ``seed``, so layer ``l`` gets exactly what kvpress's ``CompactorPress``
+    draws from the global RNG at layer ``l`` of a prefill after ``torch.manual_seed(seed)`` (one draw
+    per layer, in layer order)."""
+    gen = torch.Generator().manual_seed(int(seed) % (2**63))
+    for _ in range(layer):
+        torch.randn(b, h, d, k, generator=gen)
     return torch.randn(b, h, d, k, generator=gen) * (1 / math.sqrt(k))
 
 
@@ -111,8 +116,9 @@ class CompactorPolicy(Policy):
     At the prefill, on the slots between the first ``sink_size_start`` and the last ``sink_size_end``
     positions (kvpress's ``CompactorPress``): (1) leverage scores of the sequence-centred pre-RoPE keys
     (un-rotated from the cached keys) under a ``[d, sketch_dimension]`` Gaussian right sketch drawn
-    from a generator seeded by the run seed and the layer (deterministic; kvpress draws from the global
-    RNG), via a jittered Cholesky solve, z-scored; (2) non-causal attention inside ``chunk_size``-row
+    from a generator seeded by the run seed, one draw per layer in layer order (:func:`sketch`:
+    deterministic, and the very draws kvpress makes from the global RNG after
+    ``torch.manual_seed(seed)``), via a jittered Cholesky solve, z-scored; (2) non-causal attention inside ``chunk_size``-row
     tiles (each prompt query attends to every key of its tile, unscaled logits as kvpress), averaged
     over the KV group, times ``||v||``, average-pooled (width 3), z-scored; score ``blending * (1) +
     (2)``. ``blending`` None means kvpress's default, the compression ratio: here ``1 - budget / n``
