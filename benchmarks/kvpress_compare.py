@@ -56,6 +56,9 @@ PAIRS = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "Kn
          "h2o": "ObservedAttentionPress", "keydiff": "KeyDiffPress", "expected_attention": "ExpectedAttentionPress",
          "compactor": "CompactorPress", "kvzip": "KVzipPress"}
 OURS_ONLY = ("pyramid", "learned")
+#: Named variants of a policy with other options, run and reported under their own name beside its press.
+VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"})}
+PAIRS.update({variant: PAIRS[base] for variant, (base, _) in VARIANTS.items()})
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 #: query-agnostic methods: they score the context without the question (all here are, under this protocol,
 #: since the question is never seen while compressing); kept for the target's wording
@@ -250,7 +253,9 @@ def sparseety_side(engine, cases, name, ratio, options, threads):
     for case in cases:
         ids = torch.tensor([case["context_ids"] + case["question_ids"]], dtype=torch.long)
         encoded = EncodedInput(ids, compress_len=len(case["context_ids"]))
-        got = answer_document(engine, encoded, name, ratio, options=options, max_new_tokens=case["max_new_tokens"])
+        policy, variant_options = VARIANTS.get(name, (name, {}))
+        got = answer_document(engine, encoded, policy, ratio, options={**variant_options, **(options or {})},
+                              max_new_tokens=case["max_new_tokens"])
         rows.append(row_of(case, name, ratio, got.text, got.seconds, got.kv_cache_bytes_peak))
         print(f"sparseety {name} ratio={ratio} {case['label']}: {rows[-1]['score']:.0%} {got.text.strip()[:40]!r}",
               file=sys.stderr, flush=True)
@@ -278,8 +283,9 @@ def tables(ours: list[dict], theirs: list[dict]) -> list[dict]:
         row = {"task": task, "policy": policy, "press": PAIRS.get(policy), "ratio": ratio, "cases": n,
                "accuracy_sparseety": round(acc_a, 4), "seconds_per_case_sparseety": round(sec_a, 3),
                "kv_bytes_sparseety": int(kv_a), "kv_fraction_of_dense_sparseety": round(kv_a / dense_a, 4) if dense_a else None}
-        if key in b:
-            acc_b, sec_b, kv_b, _ = b[key]
+        press_key = (task, VARIANTS.get(policy, (policy,))[0], ratio)  # a variant: its base policy's press rows
+        if press_key in b:
+            acc_b, sec_b, kv_b, _ = b[press_key]
             row.update({"accuracy_kvpress": round(acc_b, 4), "seconds_per_case_kvpress": round(sec_b, 3),
                         "kv_bytes_kvpress": int(kv_b), "kv_fraction_of_dense_kvpress": round(kv_b / dense_b, 4) if dense_b else None})
         table.append(row)
@@ -433,7 +439,7 @@ def main() -> None:
     wanted = [*PAIRS, *OURS_ONLY] if args.policies == "all" else [p for p in args.policies.split(",") if p]
     policies, skipped = [], {}
     for name in wanted:
-        if name not in registered:
+        if VARIANTS.get(name, (name,))[0] not in registered:
             skipped[name] = "not registered in this SparSEEty"
         elif name == "learned" and not LEARNED_FILE.is_file():
             skipped[name] = f"{LEARNED_FILE.relative_to(ROOT.parent)} is missing (run benchmarks/learned_policy.py)"

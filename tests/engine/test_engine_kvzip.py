@@ -62,8 +62,9 @@ def reference_head_counts(scores: torch.Tensor, budget: int, layers: list[int]) 
 
 def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int = 4,
                    chunk_size: int = 2048, layerwise: bool = False,
-                   per_head: bool = True) -> dict[int, list[list[int]]]:
-    """Per layer, per KV head: the positions KVzip keeps, computed from eager attention on a DynamicCache."""
+                   per_head: bool = True, attend_chunk: bool = False) -> dict[int, list[list[int]]]:
+    """Per layer, per KV head: the positions KVzip keeps, computed from eager attention on a DynamicCache
+    (``attend_chunk``: a 4D mask hides every context key outside the scoring set from the repeat rows)."""
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     suffix = enc("\n")  # no chat template
     n = len(context)
@@ -78,9 +79,16 @@ def reference_kept(model, tokenizer, context: list[int], budget: int, sinks: int
             prompt = enc(REPEAT_PROMPT) if i == 0 else enc(REPEAT_PART_PROMPT) + pieces[i - 1][-PREVIOUS_TAIL:]
             ids = prompt + suffix + piece
             q = len(ids)
-            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, output_attentions=True)
             sink = min(sinks, start)
             cols = list(range(sink)) + list(range(start, start + len(piece))) + list(range(n, n + q))
+            mask = None
+            if attend_chunk:
+                seen = torch.zeros(q, n + q, dtype=torch.bool)
+                seen[:, cols[: len(cols) - q]] = True
+                seen[:, n:] = torch.ones(q, q, dtype=torch.bool).tril()
+                mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[None, None]
+            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, output_attentions=True,
+                        attention_mask=mask)
             for layer, att in enumerate(out.attentions):  # [1, heads, q, n + q], softmax over every key
                 sub = att[0][..., cols]
                 sub = sub / sub.sum(dim=-1, keepdim=True)  # kvpress's softmax over the subset only
@@ -135,6 +143,24 @@ def test_kept_sets_equal_an_eager_reimplementation(n, budget, chunk_size, layerw
     assert set(a["evicted.step"].tolist()) == {0}
     assert a["evicted.position"].size == engine.num_layers * KV_HEADS * (n - budget)
     assert torch.isfinite(torch.from_numpy(a["evicted.score"].astype("float64"))).all()
+
+
+@pytest.mark.parametrize("n, budget, chunk_size", [(60, 20, 2048), (75, 30, 16), (41, 9, 41)])
+def test_attend_chunk_keeps_what_a_pass_masked_to_the_scoring_set_keeps(n, budget, chunk_size, engine_for, tokenizer,
+                                                                       eager_model):
+    """``attend="chunk"``: the repeat rows see only the sinks, their chunk and themselves."""
+    engine = engine_for("llama")
+    ids = prompt_ids(n, seed=n + 1)
+    options = {"chunk_size": str(chunk_size), "attend": "chunk"}
+    result = engine.generate(EncodedInput(ids), build_policy("kvzip", budget, options), max_new_tokens=1, tier=2)
+    expected = reference_kept(eager_model, tokenizer, ids[0].tolist(), budget, chunk_size=chunk_size,
+                              attend_chunk=True)
+    for layer in range(engine.num_layers):
+        for head in range(KV_HEADS):
+            assert kept_of(result, layer, head) == expected[layer][head], (layer, head)
+    if chunk_size < n:  # several chunks: hiding the rest of the context changes what the pass keeps
+        full = reference_kept(eager_model, tokenizer, ids[0].tolist(), budget, chunk_size=chunk_size)
+        assert full != expected
 
 
 def test_the_reconstruction_leaves_no_trace(engine_for, greedy_reference):
@@ -309,12 +335,14 @@ def test_what_kvzip_cannot_run_with_is_refused_by_name(engine_for):
     assert shared.skipped_events > 0
 
 
-def test_the_generic_pass_keeps_what_the_fused_cpu_pass_keeps(engine_for, monkeypatch):
+@pytest.mark.parametrize("attend", ["full", "chunk"])
+def test_the_generic_pass_keeps_what_the_fused_cpu_pass_keeps(attend, engine_for, monkeypatch):
     """Off the CPU the pass is SDPA plus the blockwise scores: same kept sets."""
     import sparseety.engine.attention as attention
 
     engine = engine_for("llama")
-    e, policy = EncodedInput(prompt_ids(70, seed=13)), build_policy("kvzip", 25, {"chunk_size": "30"})
+    e = EncodedInput(prompt_ids(70, seed=13))
+    policy = build_policy("kvzip", 25, {"chunk_size": "30", "attend": attend})
     fused = engine.generate(e, policy, max_new_tokens=4, tier=2)
     monkeypatch.setattr(attention, "reconstruction_attention", lambda *args: None)
     generic = engine.generate(e, policy, max_new_tokens=4, tier=2)

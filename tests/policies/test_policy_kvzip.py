@@ -36,7 +36,7 @@ def ids(tok, text):
 @pytest.mark.parametrize(("options", "field"), [
     ({"sinks": "-1"}, "sinks"), ({"chunk_size": "0"}, "chunk_size"), ({"window": "-2"}, "window"),
     ({"chunk_size": "lots"}, "chunk_size"), ({"sink": "4"}, "sink"), ({"layerwise": "maybe"}, "layerwise"),
-    ({"per_head": "2"}, "per_head"),
+    ({"per_head": "2"}, "per_head"), ({"attend": "context"}, "attend"),
 ])
 def test_bad_options_are_refused_naming_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
@@ -61,6 +61,9 @@ def test_long_contexts_are_reconstructed_in_chunks_quoting_the_previous_tail():
     part = ids(tok, REPEAT_PART_PROMPT)
     assert chunks[1].ids == tuple(part + context[20 - PREVIOUS_TAIL : 20] + context[20:40])
     assert chunks[2].ids == tuple(part + context[40 - PREVIOUS_TAIL : 40] + context[40:])
+    assert not any(c.local for c in chunks)
+    local = build_policy("kvzip", 4, {"chunk_size": "20", "attend": "chunk"}).reconstruction_chunks(context, tok)
+    assert all(c.local for c in local) and [c.ids for c in local] == [c.ids for c in chunks]
 
 
 def test_the_chat_template_header_is_neither_repeated_nor_scored_and_its_suffix_follows_the_prompt():

@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from sparseety.engine.cache import SparseLayer
 from sparseety.engine.context import LayerSignals, RunContext, active_context
 from sparseety.engine.packed import active_packed
-from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores
+from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores, scoring_keys
 from sparseety.engine.window import window_mask
 
 ATTENTION_NAME = "sparseety"
@@ -235,8 +235,11 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
                                **kwargs)
         ctx.observe(layer, key, LayerSignals())
         return out
-    if ctx.reconstruction is not None:  # kvzip's reconstruction pass: output and slot scores in one go (CPU)
-        fused = reconstruction_attention(query, key, value, scaling, ctx.reconstruction)
+    chunk = ctx.reconstruction
+    if chunk is not None and chunk.local:  # attend="chunk": the rows see their scoring set only
+        key, value, chunk = scoring_keys(key, value, chunk)
+    if chunk is not None:  # kvzip's reconstruction pass: output and slot scores in one go (CPU)
+        fused = reconstruction_attention(query, key, value, scaling, chunk)
         if fused is not None:
             ctx.observe(layer, key, LayerSignals(reconstruction=fused[1]))
             return fused[0]
@@ -272,7 +275,7 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
         assert ctx.prune is not None
         ctx.prune.take_scores(probs)
     if ctx.reconstruction is not None:  # kvzip's reconstruction pass elsewhere: score the region's slots from these queries
-        seen.reconstruction = reconstruction_scores(query, key, scaling, ctx.reconstruction)
+        seen.reconstruction = reconstruction_scores(query, key, scaling, chunk)
     seen.values = value
     if plan.query_rows:  # only for policies that read query rows (a view, no copy)
         seen.queries, seen.rotary = query[:, :, q - plan.query_rows:], ctx.rotary(layer, module)

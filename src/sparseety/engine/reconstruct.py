@@ -64,6 +64,20 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, scaling: float
     return best
 
 
+def scoring_keys(key: torch.Tensor, value: torch.Tensor,
+                 chunk: ReconstructionChunk) -> tuple[torch.Tensor, torch.Tensor, ReconstructionChunk]:
+    """The keys and values of ``chunk``'s scoring set only (sinks, the chunk's slots, the own keys), and the
+    chunk renumbered to them: what a ``local`` chunk's rows attend to (``attend="chunk"``).
+
+    key, value ``[b, kv_heads, n, d]``, the last ``len(chunk.ids)`` slots the reconstruction's own.
+    """
+    own = key.shape[2] - len(chunk.ids)
+    parts = ((0, chunk.sinks), (chunk.start, chunk.end), (own, key.shape[2]))
+    pick = [torch.cat([t[:, :, a:z] for a, z in parts], dim=2) for t in (key, value)]
+    return pick[0], pick[1], ReconstructionChunk(chunk.ids, chunk.sinks, chunk.sinks + chunk.end - chunk.start,
+                                                 chunk.sinks, chunk.local)
+
+
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 

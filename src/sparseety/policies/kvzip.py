@@ -36,6 +36,7 @@ class ReconstructionChunk:
     start: int
     end: int
     sinks: int
+    local: bool = False  #: the rows attend to the scoring set only (``attend="chunk"``), not the whole context
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -65,7 +66,12 @@ class KVzipPolicy(Policy):
     first ``sinks`` slots, the chunk being reconstructed and the reconstruction's own (causal) keys
     only, and a context longer than ``chunk_size`` tokens is reconstructed ``chunk_size`` tokens per
     forward (later chunks quote the previous chunk's last 8 tokens after "Repeat the part of the
-    previous context exactly, starting with"). The chat template's header (the tokens before the
+    previous context exactly, starting with"). With ``attend="full"`` (the default, kvpress's) each
+    reconstruction row still attends to the whole context to compute its output; ``attend="chunk"``
+    restricts that attention to the scoring set itself (the sinks, the chunk and the own keys), so a
+    chunk is repeated from itself: the same scoring rule over hidden states computed without the
+    rest of the context. It skips most of the pass's attention (on ~7k tokens the pass costs about
+    0.9x a dense prefill instead of 1.6x) and is no longer kvpress's computation. The chat template's header (the tokens before the
     user's content, when the context starts with them) is not repeated and scores 0. The first
     ``sinks`` positions are always kept.
 
@@ -103,6 +109,7 @@ class KVzipPolicy(Policy):
     window: int = 32
     layerwise: bool = False
     per_head: bool = True
+    attend: str = "full"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,6 +119,8 @@ class KVzipPolicy(Policy):
         for option in ("layerwise", "per_head"):
             if not isinstance(getattr(self, option), bool):
                 raise ConfigError(f"{self.name}: {option} must be true or false, got {getattr(self, option)!r}")
+        if self.attend not in ("full", "chunk"):
+            raise ConfigError(f"{self.name}: attend must be 'full' or 'chunk', got {self.attend!r}")
 
     @property
     def splits_heads(self) -> bool:
@@ -130,7 +139,7 @@ class KVzipPolicy(Policy):
             else:
                 prompt = _encode(tokenizer, REPEAT_PART_PROMPT) + pieces[i - 1][-PREVIOUS_TAIL:]
             chunks.append(ReconstructionChunk(tuple(prompt + suffix + piece), start, start + len(piece),
-                                              min(self.sinks, start)))
+                                              min(self.sinks, start), self.attend == "chunk"))
             start += len(piece)
         return chunks
 
