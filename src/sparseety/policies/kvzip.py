@@ -70,10 +70,11 @@ class KVzipPolicy(Policy):
     reconstruction row still attends to the whole context to compute its output; ``attend="chunk"``
     restricts that attention to the scoring set itself (the sinks, the chunk and the own keys), so a
     chunk is repeated from itself: the same scoring rule over hidden states computed without the
-    rest of the context. It skips most of the pass's attention (on ~7k tokens the pass costs about
-    0.9x a dense prefill instead of 1.6x) and is no longer kvpress's computation. The chat template's header (the tokens before the
-    user's content, when the context starts with them) is not repeated and scores 0. The first
-    ``sinks`` positions are always kept.
+    rest of the context. It skips most of the pass's attention (on 7k tokens the pass costs about
+    1.1x a dense prefill instead of 1.9x), is no longer kvpress's computation, and can lose what only
+    the other chunks' context makes a slot matter for (one of two solved 4k-token passkey cases).
+    The chat template's header (the tokens before the user's content, when the context starts with
+    them) is not repeated and scores 0. The first ``sinks`` positions are always kept.
 
     Tensor shapes: the prefill observation's ``attention`` is ``[b, kv_heads, n]`` (the
     reconstruction scores, slot order = position order); ``state`` ``[b, kv_heads, n]``.
