@@ -15,6 +15,7 @@ forward (packed or not) whose chunk completed the region; teacher-forced fidelit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -74,8 +75,7 @@ def scoring_keys(key: torch.Tensor, value: torch.Tensor,
     own = key.shape[2] - len(chunk.ids)
     parts = ((0, chunk.sinks), (chunk.start, chunk.end), (own, key.shape[2]))
     pick = [torch.cat([t[:, :, a:z] for a, z in parts], dim=2) for t in (key, value)]
-    return pick[0], pick[1], ReconstructionChunk(chunk.ids, chunk.sinks, chunk.sinks + chunk.end - chunk.start,
-                                                 chunk.sinks, chunk.local)
+    return pick[0], pick[1], dataclasses.replace(chunk, start=chunk.sinks, end=chunk.sinks + chunk.end - chunk.start)
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -118,8 +118,9 @@ class CompactorPolicy(Policy):
     (un-rotated from the cached keys) under a ``[d, sketch_dimension]`` Gaussian right sketch drawn
     from a generator seeded by the run seed, one draw per layer in layer order (:func:`sketch`:
     deterministic, and the very draws kvpress makes from the global RNG after
-    ``torch.manual_seed(seed)``), via a jittered Cholesky solve, z-scored; (2) non-causal attention inside ``chunk_size``-row
-    tiles (each prompt query attends to every key of its tile, unscaled logits as kvpress), averaged
+    ``torch.manual_seed(seed)``), via a jittered Cholesky solve, z-scored; (2) non-causal attention
+    inside ``chunk_size``-row tiles (each prompt query attends to every key of its tile, unscaled
+    logits as kvpress), averaged
     over the KV group, times ``||v||``, average-pooled (width 3), z-scored; score ``blending * (1) +
     (2)``. ``blending`` None means kvpress's default, the compression ratio: here ``1 - budget / n``
     at the prefill of ``n`` tokens (equal to ``--ratio`` up to rounding). The sinks and the last
