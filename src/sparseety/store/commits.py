@@ -14,9 +14,8 @@ import uuid
 from pathlib import Path
 
 from sparseety.errors import RecordError
-from sparseety.store.dataset import COMMIT_LOG
 
-COMMITS_DIR = COMMIT_LOG
+COMMITS_DIR = "_commits"  #: the manifests' folder, also the marker's ``commit_log`` value
 MANIFEST_PREFIX = "commit-"
 MANIFEST_FORMAT = "sparseety-commit"
 

@@ -20,12 +20,12 @@ import pyarrow.parquet as pq
 
 from sparseety.errors import RecordError
 from sparseety.schema import SCHEMA_VERSION
+from sparseety.store.commits import COMMITS_DIR, write_manifest
 from sparseety.store.tables import TABLES, file_schema
 
 MARKER = "_sparseety_dataset.json"
 FORMAT = "sparseety-trace-dataset"
 TEMP_PREFIX = ".part-"
-COMMIT_LOG = "_commits"
 QUARANTINE = "_quarantine"
 
 
@@ -78,7 +78,7 @@ def open_dataset(path: str | Path) -> Path:
 
 def uses_commit_log(root: Path) -> bool:
     """Whether readers of the dataset at ``root`` take only files a commit manifest names."""
-    return _marker(root).get("commit_log") == COMMIT_LOG
+    return _marker(root).get("commit_log") == COMMITS_DIR
 
 
 def _marker(root: Path) -> dict[str, object]:
@@ -102,16 +102,14 @@ def create_dataset(path: str | Path) -> Path:
     if (root / MARKER).is_file():
         open_dataset(root)
         if not uses_commit_log(root):
-            from sparseety.store.commits import write_manifest
-
             write_manifest(root, [p for table in TABLES for p in table_files(root, table)])
-            _write_marker(root, {**_marker(root), "commit_log": COMMIT_LOG})
+            _write_marker(root, {**_marker(root), "commit_log": COMMITS_DIR})
         return root
     if root.exists() and not root.is_dir():
         raise RecordError(f"trace directory {root} is not a directory")
     root.mkdir(parents=True, exist_ok=True)
     _write_marker(root, {"format": FORMAT, "schema_version": SCHEMA_VERSION, "tables": list(TABLES),
-                         "commit_log": COMMIT_LOG})
+                         "commit_log": COMMITS_DIR})
     return root
 
 
