@@ -135,13 +135,13 @@ def test_a_decode_eviction_drops_each_heads_lowest_ties_to_the_newest_and_fills_
     scores[o[0] : o[0] + 5] = torch.tensor([0.5, 0.1, 0.9, 0.1, 0.7])  # tie at positions 1 and 3: the newest goes
     scores[o[1] : o[1] + 3] = torch.tensor([0.0, 0.0, 0.0])  # at its budget: untouched
     scores[o[2] : o[2] + 3] = torch.tensor([0.8, 0.6, 0.2])  # its last slot is the lowest: no move
-    slots, heads, positions = regions.evict_lowest(scores)
+    slots, heads, positions = (torch.as_tensor(x) for x in regions.evict_lowest(scores))
     assert slots.tolist() == [o[0] + 3, o[2] + 2] and heads.tolist() == [0, 2] and positions.tolist() == [3, 4]
     assert [p.tolist() for p in layer.head_slots()] == [[0, 1, 2, 4], [0, 1, 2], [1, 3]]
     assert torch.equal(regions.head_keys(0)[0][0, 0], keys[0, 0, [0, 1, 2, 4]])
     assert torch.equal(regions.head_keys(0)[1][0, 0], -keys[0, 0, [0, 1, 2, 4]])
     assert regions.counts == [4, 3, 2] and int((regions.pos >= 0).sum()) == 9
-    assert regions.evict_lowest(scores)[0].numel() == 0  # every head at its budget
+    assert len(regions.evict_lowest(scores)[0]) == 0  # every head at its budget
 
 
 def test_select_evict_by_head_leaves_each_head_its_budget_ties_to_the_lower_position():

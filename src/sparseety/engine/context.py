@@ -437,7 +437,7 @@ class RunContext:
             return
         scores = self._eviction_order(scores, cache_layer).masked_fill(regions.pos < 0, float("inf"))
         if excess == 1:  # the decode step: one slot out of each head over its count
-            evicted, owners, positions = regions.evict_lowest(scores[0, 0])
+            evicted, owners, positions = torch.tensor(regions.evict_lowest(scores[0, 0]), dtype=torch.long)
         else:
             chosen = select_evict_by_head(scores[0, 0], regions.pos[0, 0], regions.owner[0, 0], regions.budget_tensor,
                                           regions.counts)

@@ -62,9 +62,6 @@ class HeadRegions:
             if self.state is not None and state is not None:
                 self.state[0, 0, start : start + n] = state[i]
         self.budget_tensor = torch.tensor(self.budgets, dtype=torch.long, device=ref.device)
-        # the same buffers as plain rows (views), so a step indexes them without selecting [0, 0] each time
-        self._k, self._v, self._pos, self._owner = self.k[0, 0], self.v[0, 0], self.pos[0, 0], self.owner[0, 0]
-        self._state = None if self.state is None else self.state[0, 0]
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -99,13 +96,21 @@ class HeadRegions:
         q = keys.shape[2]
         if any(n + q > c for n, c in zip(self.counts, self.capacities)):
             self._regrow(q)
+        if q == 1:  # the decode step: one slot per head, by plain copies
+            for i, (start, n) in enumerate(zip(self.offsets, self.counts)):
+                self.k[0, 0, start + n], self.v[0, 0, start + n] = keys[0, i, 0], values[0, i, 0]
+                self.pos[0, 0, start + n] = first
+                if self.state is not None:
+                    self.state[0, 0, start + n] = 0
+            self.counts = [n + 1 for n in self.counts]
+            return
         index = torch.tensor([start + n + j for start, n in zip(self.offsets, self.counts) for j in range(q)],
-                             device=self.k.device)  # head after head, q slots each: one write per buffer
-        self._k[index] = keys[0].reshape(-1, keys.shape[-1])
-        self._v[index] = values[0].reshape(-1, values.shape[-1])
-        self._pos[index] = torch.arange(first, first + q, device=self.k.device).repeat(self.heads)
-        if self._state is not None:
-            self._state[index] = 0
+                             device=self.k.device)
+        self.k[0, 0, index] = keys[0].reshape(-1, keys.shape[-1])
+        self.v[0, 0, index] = values[0].reshape(-1, values.shape[-1])
+        self.pos[0, 0, index] = torch.arange(first, first + q, device=self.k.device).repeat(self.heads)
+        if self.state is not None:
+            self.state[0, 0, index] = 0
         self.counts = [n + q for n in self.counts]
 
     def _regrow(self, q: int) -> None:
@@ -147,40 +152,31 @@ class HeadRegions:
         self.pos[0, 0, torch.tensor(dead, dtype=torch.long, device=self.k.device)] = -1
         return order, heads, positions
 
-    def evict_lowest(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def evict_lowest(self, scores: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
         """The decode step: every head over its budget by one drops its lowest-scored live slot (ties: the
-        newest position), the region's last live slot taking its place. ``scores`` ``[capacity]``, free
-        slots ``+inf``.
+        newest position), the region's last live slot taking its place. ``scores`` ``[capacity]``.
 
-        Returns ``(slots, heads, positions)``, each ``[e]``: the dropped slots (indices before the move),
-        their heads and original positions, one entry per head that evicted (head order). All heads are
-        reduced at once (a min and a max per head by ``scatter_reduce``), so the cost does not grow with
-        the number of heads.
+        Returns ``(slots, heads, positions)``: the dropped slots (indices before the move), their heads and
+        original positions, one entry per head that evicted.
         """
-        over = [i for i, (n, budget) in enumerate(zip(self.counts, self.budgets)) if n > budget]
-        device = self.k.device
-        if not over:
-            empty = torch.zeros(0, dtype=torch.long, device=device)
-            return empty, empty, empty
-        heads = len(self.counts)
-        lowest = scores.new_full((heads,), float("inf")).scatter_reduce(0, self._owner, scores, "amin")
-        tied = torch.where(scores == lowest[self._owner], self._pos, -1)  # free slots: -1, never the newest
-        newest = self._pos.new_full((heads,), -1).scatter_reduce(0, self._owner, tied, "amax")
-        chosen = torch.tensor(over, dtype=torch.long, device=device)
-        positions = newest[chosen]
-        hole_mask = (self._pos == newest[self._owner]) & (tied >= 0)
-        hole_mask &= torch.isin(self._owner, chosen)
-        holes = hole_mask.nonzero().view(-1)  # ascending: head order, one per chosen head
-        if holes.numel() != len(over):
-            raise RuntimeError(f"decode eviction found {holes.numel()} slots for {len(over)} heads: scores not comparable (NaN?)")
-        last = torch.tensor([self.offsets[i] + self.counts[i] - 1 for i in over], dtype=torch.long, device=device)
-        for buffer in (self._k, self._v, self._pos, self._state):
-            if buffer is not None:
-                buffer[holes] = buffer[last]
-        self._pos[last] = -1
-        for i in over:
-            self.counts[i] -= 1
-        return holes, chosen, positions
+        slots, heads, positions = [], [], []
+        for head, (start, n, budget) in enumerate(zip(self.offsets, self.counts, self.budgets)):
+            if n <= budget:
+                continue
+            live = slice(start, start + n)
+            region, where = scores[live], self.pos[0, 0, live]
+            lowest = torch.where(region == region.min(), where, -1).argmax()
+            hole, last = start + int(lowest), start + n - 1
+            slots.append(hole)
+            heads.append(head)
+            positions.append(int(self.pos[0, 0, hole]))
+            if hole != last:
+                for buffer in (self.k, self.v, self.pos, self.state):
+                    if buffer is not None:
+                        buffer[0, 0, hole] = buffer[0, 0, last]
+            self.pos[0, 0, last] = -1
+            self.counts[head] = n - 1
+        return slots, heads, positions
 
     def excess(self) -> int:
         """The most slots any head holds above its budget (0 or less: none to evict)."""
