@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sparseety.engine.cache import SparseLayer
 from sparseety.engine.context import LayerSignals, RunContext, active_context
-from sparseety.engine.packed import active_packed
+from sparseety.engine.packed import active_packed, isolated
 from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores, scoring_keys
 from sparseety.engine.window import window_mask
 
@@ -212,15 +212,22 @@ def sparseety_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         layer = module.layer_idx
         outputs = []
         for segment in packed.segments:
-            cache_layer = segment.ctx.cache.layers[layer]
             rows = query[:, :, segment.start : segment.start + segment.length]
-            outputs.append(attend(segment.ctx, module, rows, cache_layer.keys, cache_layer.values, scaling, kwargs))
+            out = isolated(segment.ctx, _attend_own_cache, segment.ctx, module, rows, layer, scaling, kwargs)
+            outputs.append(torch.zeros_like(rows.transpose(1, 2)) if out is None else out)  # a failed sequence's rows
         return torch.cat(outputs, dim=1), None
     ctx = active_context()
     if ctx is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     return attend(ctx, module, query, key, value, scaling, kwargs), None
+
+
+def _attend_own_cache(ctx: RunContext, module: torch.nn.Module, rows: torch.Tensor, layer: int, scaling: float,
+                      kwargs: dict) -> torch.Tensor:
+    """One packed segment's rows ``[1, heads, q, d]`` over its own cache layer: output ``[1, q, heads, d]``."""
+    cache_layer = ctx.cache.layers[layer]
+    return attend(ctx, module, rows, cache_layer.keys, cache_layer.values, scaling, kwargs)
 
 
 def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -6,6 +6,14 @@ decode token each, plus a chunk of prompt for those still prefilling), appends e
 token, and retires finished or cancelled sequences at once, freeing their cache. Every sequence has
 its own policy, cache, run context and trace, so what it computes and records never depends on the
 others in the batch.
+
+One request's failure is its own. Everything checkable is checked at :meth:`BatchEngine.add`. What
+fails later (building its context at admission, its part of a forward, its reconstruction pass, its
+result) retires that request alone with :attr:`RequestStatus.FINISHED_ERROR`: it frees its cache and
+reservation, its :class:`RequestFailure` is kept in :attr:`BatchEngine.failures` and returned in its
+:class:`StepOutput`, and every other sequence goes on with exactly the tokens and trace it would have
+had. Only a failure no sequence can be blamed for (a shared part of a packed forward) fails the
+sequences of that forward, and nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.request import GenerationOptions, Request, RequestStatus
 from sparseety.engine.result import RunResult
 from sparseety.engine.runner import run_forward
-from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, Scheduler, StepPlan
+from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, Chunk, Scheduler, StepPlan
 from sparseety.errors import InputError
 from sparseety.policies.base import Policy
 
@@ -30,14 +38,33 @@ if TYPE_CHECKING:
     from sparseety.engine.generate import SparseEngine
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why one request left the batch unfinished.
+
+    ``stage``: where it failed: ``admission`` (building its context), ``prefill`` or ``decode`` (its
+    part of a forward, or its reconstruction pass), ``result`` (building its result).
+    """
+
+    request_id: str
+    error: BaseException
+    stage: str
+    step: int  #: output tokens it had produced
+
+    def message(self) -> str:
+        """One line for logs and error bodies."""
+        return f"request {self.request_id} failed at {self.stage} (after {self.step} tokens): {self.error}"
+
+
 @dataclass
 class StepOutput:
-    """What one step produced for one request: its new token (if any) and, once finished, its result."""
+    """What one step produced for one request: its new token (if any) and, once finished, its result or failure."""
 
     request: Request
     token_id: int | None
     finished: bool
     result: RunResult | None = None
+    failure: RequestFailure | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -71,6 +98,7 @@ class BatchEngine:
         self.engine = engine
         self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_memory_limit=kv_memory_limit)
         self.last_step = StepStats()
+        self.failures: dict[str, RequestFailure] = {}  #: requests that failed, by id (kept until :meth:`run` returns)
         self._eos = _eos_ids(engine.model)
 
     # -- requests ------------------------------------------------------------------------------------
@@ -113,10 +141,14 @@ class BatchEngine:
     def step(self) -> list[StepOutput]:
         """Admit, run one step's forwards, and return each participating request's output."""
         t0 = time.perf_counter()
+        outputs: list[StepOutput] = []
         for request in self.scheduler.admit():
-            request.ctx = self.engine.new_context(request.encoded, request.policy, request.options)
+            try:
+                request.ctx = self.engine.new_context(request.encoded, request.policy, request.options)
+            except Exception as exc:
+                outputs.append(self._fail(request, exc, "admission"))
         plan = self.scheduler.schedule()
-        outputs = self._execute(plan)
+        outputs += self._execute(plan)
         self.last_step = StepStats(batch_size=plan.batch_size(), forwards=len(plan.forwards),
                                    prefill_tokens=sum(c.length for f in plan.forwards for c in f
                                                       if c.start < c.request.prompt_len),
@@ -126,12 +158,23 @@ class BatchEngine:
     def _execute(self, plan: StepPlan) -> list[StepOutput]:
         outputs = []
         for chunks in plan.forwards:
-            tokens = run_forward(self.engine.model, self.engine.num_layers, chunks)
+            try:
+                tokens = run_forward(self.engine.model, self.engine.num_layers, chunks)
+            except Exception as exc:  # alone in its forward: its own failure; packed: no sequence to blame
+                outputs += [self._fail(c.request, exc, _stage(c)) for c in chunks]
+                continue
             for chunk in chunks:  # a region just completed under kvzip: its reconstruction, a forward of its own
-                if chunk.request.ctx is not None and chunk.request.ctx.reconstruction_pending:
-                    self.engine.reconstruct(chunk.request.ctx, chunk.request.encoded)
+                ctx = chunk.request.ctx
+                if ctx is not None and ctx.failure is None and ctx.reconstruction_pending:
+                    try:
+                        self.engine.reconstruct(ctx, chunk.request.encoded)
+                    except Exception as exc:
+                        ctx.failure = exc
             for chunk, token in zip(chunks, tokens):
                 request = chunk.request
+                if request.ctx is not None and request.ctx.failure is not None:
+                    outputs.append(self._fail(request, request.ctx.failure, _stage(chunk)))
+                    continue
                 if chunk.start < request.prompt_len:
                     request.fed = chunk.end
                 if token is None:
@@ -141,9 +184,19 @@ class BatchEngine:
                 done = self._finish_reason(request, token)
                 if done is None:
                     outputs.append(StepOutput(request, token, False))
-                else:
+                    continue
+                try:
                     outputs.append(StepOutput(request, token, True, self._retire(request, done)))
+                except Exception as exc:  # its result could not be built: its failure only
+                    outputs.append(self._fail(request, exc, "result"))
         return outputs
+
+    def _fail(self, request: Request, exc: BaseException, stage: str) -> StepOutput:
+        """Retire ``request`` as failed (its cache and reservation freed) and record why."""
+        failure = RequestFailure(request.request_id, exc, stage, len(request.output_ids))
+        self.failures[request.request_id] = failure
+        self._retire(request, RequestStatus.FINISHED_ERROR)
+        return StepOutput(request, None, True, failure=failure)
 
     def _finish_reason(self, request: Request, token: int) -> RequestStatus | None:
         if token in self._eos:
@@ -153,23 +206,25 @@ class BatchEngine:
         return None
 
     def _retire(self, request: Request, status: RequestStatus) -> RunResult | None:
-        """Finish ``request``: build its result (not for an aborted one), free its cache, release its reservation."""
+        """Finish ``request``: build its result (not for an aborted or failed one), free its cache, release its
+        reservation. The cache and reservation are freed even when building the result raises."""
         request.status = status
         self.scheduler.remove(request)
         ctx, request.ctx = request.ctx, None
         if ctx is None:
             return None
-        result = None
-        if status is not RequestStatus.FINISHED_ABORTED:
+        try:
+            if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+                return None
             sequences = torch.cat([request.encoded.input_ids, torch.tensor([request.output_ids], dtype=torch.long)], dim=1)
             o = request.options
-            result = self.engine.build_result(ctx, request.encoded, sequences, request.policy, o.tier, o.top_k,
-                                              request.request_id, o.min_score)
-        ctx.cache.release()
-        return result
+            return self.engine.build_result(ctx, request.encoded, sequences, request.policy, o.tier, o.top_k,
+                                            request.request_id, o.min_score)
+        finally:
+            ctx.cache.release()
 
     def run(self) -> dict[str, RunResult]:
-        """Step until every queued request finished; results by request id."""
+        """Step until every queued request finished; results by request id (failed ones are in :attr:`failures`)."""
         results: dict[str, RunResult] = {}
         while self.has_work():
             for out in self.step():
@@ -195,7 +250,14 @@ def generate_batch(engine: SparseEngine, inputs: Sequence[EncodedInput], policie
     for encoded, policy, opts, request_id in zip(inputs, policy_list, option_list, ids):
         batch.add(encoded, policy, opts, request_id)
     results = batch.run()
+    for request_id in ids:  # this all-or-nothing API raises the first failure (BatchEngine reports each one)
+        if request_id in batch.failures:
+            raise batch.failures[request_id].error
     return [results[request_id] for request_id in ids]
+
+
+def _stage(chunk: Chunk) -> str:
+    return "prefill" if chunk.start < chunk.request.prompt_len else "decode"
 
 
 def _eos_ids(model: torch.nn.Module) -> frozenset[int]:

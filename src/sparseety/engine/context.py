@@ -176,6 +176,7 @@ class RunContext:
     _reconstruction_scores: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer ``[b, kv_heads, region]``
     allocated_budgets: dict[int, int] = field(default_factory=dict)  #: per layer, budgets a reconstruction allocated
     _token_ids: torch.Tensor | None = None  #: ``[b, seen]`` ids fed so far, kept only for policies that need them
+    failure: BaseException | None = None  #: this sequence failed inside a packed forward; it leaves the batch alone
 
     def __post_init__(self) -> None:
         self.recorded_layers = self.layers.fixed(self.num_layers) if self.tier >= 2 else ()

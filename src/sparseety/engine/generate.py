@@ -27,7 +27,7 @@ from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
 from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.layers import LayerSelection, parse_layers
-from sparseety.engine.packed import SplitProbes, active_packed
+from sparseety.engine.packed import SplitProbes, active_packed, isolated
 from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
 from sparseety.engine.provenance import provenance
 from sparseety.engine.prune import PruneRun, install_layer_hooks
@@ -205,7 +205,13 @@ class SparseEngine:
 
     # -- pieces shared by generate and the batched engine ------------------------------------------
     def check_request(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions) -> None:
-        """Raise :class:`InputError` for options this model or prompt cannot run."""
+        """Raise :class:`InputError` (or :class:`ConfigError`) for a request this model cannot run.
+
+        Everything that can be checked before a request joins a batch is checked here, the policy's
+        binding to this model included (a ``learned`` policy without its predictor file, or with one
+        trained for another model), so a request that cannot run is refused alone, at once.
+        """
+        policy.bind(self.model_info)
         parse_layers(options.layers, self.num_layers)
         if options.prune is not None:
             options.prune.check_layers(self.num_layers)
@@ -421,7 +427,8 @@ def _install_hooks(model: torch.nn.Module) -> None:
         packed = active_packed()
         if packed is not None:
             for segment in packed.segments:
-                segment.ctx.begin_forward(segment.length, ids[:, segment.start : segment.start + segment.length])
+                isolated(segment.ctx, segment.ctx.begin_forward, segment.length,
+                         ids[:, segment.start : segment.start + segment.length])
             return
         ctx = active_context()
         if ctx is None:
@@ -435,7 +442,7 @@ def _install_hooks(model: torch.nn.Module) -> None:
         packed = active_packed()
         if packed is not None:
             for segment in packed.segments:
-                segment.ctx.end_forward()
+                isolated(segment.ctx, segment.ctx.end_forward)
             return
         ctx = active_context()
         if ctx is not None:

@@ -7,14 +7,21 @@ sequence's own :class:`RunContext`: :class:`PackedCache` appends each segment's 
 the sequence's own ``SparseCache``, the attention function attends each segment to its own cache
 (no padding, no mask between sequences), and probes split their rows by segment. A sequence's
 cache, policy and events therefore never see its neighbours.
+
+A failure is one sequence's too: whatever a sequence's own code raises inside the forward (its cache,
+policy, probes) is caught by :func:`isolated`, recorded on its context (``ctx.failure``), and the
+sequence is left out of the rest of the forward (its rows get zeros, which nothing else reads); the
+batched engine then retires it alone. Its neighbours' computation does not change.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -42,6 +49,24 @@ class PackedForward:
         """Split a per-token tensor ``[T, ...]`` (or ``[1, T, ...]``, flattened) into one piece per segment."""
         rows = x.reshape(-1, x.shape[-1])
         return [rows[s.start : s.start + s.length] for s in self.segments]
+
+
+T = TypeVar("T")
+
+
+def isolated(ctx: RunContext, fn: Callable[..., T], *args: object) -> T | None:
+    """Run one sequence's part of a packed forward; if it raises, mark that sequence failed and return None.
+
+    A sequence that already failed is skipped (None). Only ``Exception`` is caught: an interrupt still
+    stops the whole forward.
+    """
+    if ctx.failure is not None:
+        return None
+    try:
+        return fn(*args)
+    except Exception as exc:  # one sequence's fault: it leaves the batch, the forward goes on
+        ctx.failure = exc
+        return None
 
 
 _PACKED: ContextVar[PackedForward | None] = ContextVar("sparseety_packed", default=None)
@@ -73,8 +98,8 @@ class _PackedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         for s in self.packed.segments:
-            s.ctx.cache.layers[self.index].update(key_states[:, :, s.start : s.start + s.length],
-                                                  value_states[:, :, s.start : s.start + s.length])
+            isolated(s.ctx, s.ctx.cache.layers[self.index].update, key_states[:, :, s.start : s.start + s.length],
+                     value_states[:, :, s.start : s.start + s.length])
         return key_states, value_states  # the attention function reads each sequence's own cache
 
     def get_seq_length(self) -> int:
@@ -100,15 +125,15 @@ class SplitProbes:
     def __init__(self, packed: PackedForward) -> None:
         self.packed = packed
 
-    def _each(self, x: torch.Tensor) -> Iterator[tuple[ModuleProbes, torch.Tensor]]:
+    def _each(self, x: torch.Tensor) -> Iterator[tuple[RunContext, ModuleProbes, torch.Tensor]]:
         for segment, rows in zip(self.packed.segments, self.packed.split(x)):
-            if segment.ctx.probes is not None:
-                yield segment.ctx.probes, rows
+            if segment.ctx.probes is not None and segment.ctx.failure is None:
+                yield segment.ctx, segment.ctx.probes, rows
 
     def record_router(self, layer: int, logits: torch.Tensor) -> None:
-        for probes, rows in self._each(logits):
-            probes.record_router(layer, rows)
+        for ctx, probes, rows in self._each(logits):
+            isolated(ctx, probes.record_router, layer, rows)
 
     def record_activation(self, layer: int, x: torch.Tensor) -> None:
-        for probes, rows in self._each(x):
-            probes.record_activation(layer, rows)
+        for ctx, probes, rows in self._each(x):
+            isolated(ctx, probes.record_activation, layer, rows)

@@ -23,10 +23,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  #: an end-of-sequence token
     FINISHED_LENGTH = "length"  #: ``max_new_tokens`` reached
     FINISHED_ABORTED = "abort"  #: cancelled (client left, server shutting down)
+    FINISHED_ERROR = "error"  #: this request failed (its policy, options or a step); its neighbours go on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(frozen=True)

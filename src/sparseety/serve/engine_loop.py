@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety.engine import RunResult, SparseEngine
-from sparseety.engine.batch import BatchEngine, StepOutput
+from sparseety.engine.batch import BatchEngine, RequestFailure, StepOutput
 from sparseety.engine.request import GenerationOptions
 from sparseety.serve.planning import Plan
 
@@ -129,15 +129,18 @@ class EngineLoop:
     on_finish : called on the loop thread with ``(plan, result, finish_reason, sink, finished)`` before
         the sink resolves (metrics, tracing).
     on_step : called on the loop thread after every step with the batch engine.
+    on_abort : called with the request id of a request whose client left.
+    on_fail : called with ``(plan, failure)`` when one request failed alone (its sink then fails with its error).
     """
 
     def __init__(self, engine: SparseEngine, *, max_batch: int, max_queue: int, prefill_chunk: int,
                  kv_memory_limit: int | None, on_finish: Finisher, on_step: Callable[[BatchEngine], None],
-                 on_abort: Callable[[str], None]) -> None:
+                 on_abort: Callable[[str], None],
+                 on_fail: Callable[[Plan, RequestFailure], None] = lambda *_: None) -> None:
         self.batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                  kv_memory_limit=kv_memory_limit)
         self.max_batch, self.max_queue = max_batch, max_queue
-        self._on_finish, self._on_step, self._on_abort = on_finish, on_step, on_abort
+        self._on_finish, self._on_step, self._on_abort, self._on_fail = on_finish, on_step, on_abort, on_fail
         self._inbox: deque[tuple[Plan, RequestSink, GenerationOptions]] = deque()
         self._live: dict[str, tuple[Plan, RequestSink]] = {}
         self._wake = threading.Condition()
@@ -200,7 +203,8 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.batch.step()
-            except Exception as exc:  # a bug in a step: fail the requests it touched, keep serving
+            except Exception as exc:  # a bug outside any one request's part of the step: fail them all, keep serving
+                _LOG.exception("sparseety engine loop: a step failed outside any one request")
                 self._fail_all(exc)
                 continue
             now = time.perf_counter()
@@ -231,9 +235,18 @@ class EngineLoop:
 
     def _deliver(self, out: StepOutput, now: float) -> None:
         live = self._live.get(out.request.request_id)
-        if live is None or out.token_id is None:
+        if live is None:
             return
         plan, sink = live
+        if out.failure is not None:  # this request alone failed (admission, its part of a step, its result)
+            del self._live[out.request.request_id]
+            self.batch.failures.pop(out.request.request_id, None)
+            _LOG.warning("sparseety engine loop: %s", out.failure.message())
+            _guarded(self._on_fail, plan, out.failure)
+            sink.fail(out.failure.error)
+            return
+        if out.token_id is None:
+            return
         sink.token(out.token_id, now)
         if not out.finished:
             return

@@ -58,6 +58,8 @@ class ServeMetrics:
                                         ["reason"], registry=r)
         self.request_aborted = Counter(P + "request_aborted", "Generations stopped before the end, by reason.",
                                        ["reason"], registry=r)
+        self.request_failed = Counter(P + "request_failed", "Requests that failed alone after admission (their "
+                                      "neighbours ran on), by stage.", ["stage"], registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive generated tokens.",
