@@ -22,10 +22,11 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from sparseety.engine.context import RunContext
 from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.request import GenerationOptions, Request, RequestStatus
 from sparseety.engine.result import RunResult
@@ -34,8 +35,25 @@ from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK,
 from sparseety.errors import InputError
 from sparseety.policies.base import Policy
 
-if TYPE_CHECKING:
-    from sparseety.engine.generate import SparseEngine
+class BatchHost(Protocol):
+    """What the batch engine needs of a model wrapper (:class:`~sparseety.engine.generate.SparseEngine` is one).
+
+    Declared here rather than imported, so this module and ``generate`` do not import each other.
+    """
+
+    model: torch.nn.Module
+    num_layers: int
+
+    def check_request(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions) -> None: ...
+
+    def reserved_kv_bytes(self, encoded: EncodedInput, policy: Policy, max_new_tokens: int) -> int: ...
+
+    def new_context(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions) -> RunContext: ...
+
+    def reconstruct(self, ctx: RunContext, encoded: EncodedInput) -> None: ...
+
+    def build_result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
+                     tier: int, top_k: int, request_id: str | None, min_score: float = 0.0) -> RunResult: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +111,7 @@ class BatchEngine:
     kv_memory_limit : bytes of KV cache the running requests may reserve (None: unlimited).
     """
 
-    def __init__(self, engine: SparseEngine, *, max_batch: int = DEFAULT_MAX_BATCH,
+    def __init__(self, engine: BatchHost, *, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_memory_limit: int | None = None) -> None:
         self.engine = engine
         self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_memory_limit=kv_memory_limit)
@@ -233,7 +251,7 @@ class BatchEngine:
         return results
 
 
-def generate_batch(engine: SparseEngine, inputs: Sequence[EncodedInput], policies: Policy | Sequence[Policy],
+def generate_batch(engine: BatchHost, inputs: Sequence[EncodedInput], policies: Policy | Sequence[Policy],
                    options: GenerationOptions | Sequence[GenerationOptions] | None = None, *,
                    request_ids: Sequence[str] | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_memory_limit: int | None = None) -> list[RunResult]:
