@@ -40,7 +40,6 @@ class FaultyH2O(H2OPolicy):
 
     name: ClassVar[str] = "h2o"
     fail_step: int = 0
-    calls: int = 0
 
     def score(self, obs: Observation):
         if obs.step >= self.fail_step:

@@ -122,7 +122,8 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
         engine, max_batch=config.max_concurrency, max_queue=config.queue_capacity, prefill_chunk=config.prefill_chunk,
         kv_memory_limit=config.kv_memory_limit, on_finish=finished,
         on_step=lambda batch: metrics.observe_step(batch.last_step),
-        on_abort=lambda _: metrics.request_aborted.labels("client_disconnected").inc())
+        on_abort=lambda _: metrics.request_aborted.labels("client_disconnected").inc(),
+        on_fail=lambda _, failure: metrics.request_failed.labels(failure.stage).inc())
     loop_ref.append(engine_loop)
     state = ServerState(config, engine, engine_loop, tracer, metrics, int(time.time()), engine_options)
 
