@@ -32,6 +32,9 @@ Targets (issue 3, "Speed and memory"):
   full context).
 - Decode ms/token against context: dense grows, the budgeted run stays flat.
 
+Targets (issue 28): ``kvzap`` (its shipped linear surrogate) at ``--budget``: decode tokens/s >= 0.95 x
+``streaming``'s; prefill <= 1.10 x dense prefill (``--policies kvzap``).
+
 Targets (issue 15): ``keydiff``, ``expected_attention``, ``compactor`` at ``--budget``: decode tokens/s
 >= 0.90 x ``streaming``'s; prefill <= 1.15 x dense prefill. ``--policies`` picks the evicting policies
 measured (default: all six; ``streaming`` is always measured, the tracing figures use it).
@@ -79,6 +82,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decode_bench.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 POLICIES = ("streaming", "h2o", "snapkv")
 QUERY_AGNOSTIC = ("keydiff", "expected_attention", "compactor")  #: issue 15: measured against streaming
+SURROGATES = ("kvzap",)  #: issue 28: a trained surrogate scores each token as it is written
 TRACE_POLICY = "streaming"
 
 TARGET_VS_IDEAL = 0.85
@@ -89,6 +93,8 @@ TARGET_TIER2 = 0.90
 TARGET_TIER1 = 0.98
 TARGET_VS_PLAIN = 0.95
 TARGET_VS_STREAMING = 0.90  # issue 15: each query-agnostic policy's decode tok/s over streaming's
+TARGET_KVZAP_VS_STREAMING = 0.95  # issue 28: kvzap's decode tok/s over streaming's
+TARGET_KVZAP_PREFILL = 1.10  # issue 28: kvzap's prefill over dense's
 TARGET_SWEEP_DENSE_GROWS = 1.3  # dense ms/token at the longest context over the shortest
 TARGET_SWEEP_FLAT = 1.15  # budgeted ms/token, longest over shortest
 
@@ -375,6 +381,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             continue
         targets[f"{p}_prefill_vs_dense"] = target(b.prefill(p) / dense_prefill, "<=", TARGET_PREFILL,
                                                     f"{p} prefill time / dense prefill time @ {C} tok")
+    for p in SURROGATES:
+        if p in policies:
+            targets[f"{p}_decode_vs_streaming"] = target(b.decode_tps(p) / b.decode_tps("streaming"), ">=",
+                                                         TARGET_KVZAP_VS_STREAMING,
+                                                         f"{p} b={B} vs streaming b={B}, both @ {C} tok, decode tok/s")
+            targets[f"{p}_prefill_vs_dense"] = target(b.prefill(p) / dense_prefill, "<=", TARGET_KVZAP_PREFILL,
+                                                      f"{p} prefill time / dense prefill time @ {C} tok")
     figures["streaming_prefill_vs_dense"] = round(b.prefill("streaming") / dense_prefill, 4)
     t0 = b.decode_tps(TRACE_POLICY)
     targets["tier1_vs_tier0"] = target(b.decode_tps(f"{TRACE_POLICY}-tier1") / t0, ">=", TARGET_TIER1,

@@ -84,7 +84,7 @@ def _describe(model: type[BaseModel], exc: ValidationError, text: str | None = N
         if err["type"] == "extra_forbidden":
             known = ", ".join(model.model_fields)
             problems.append(f"unknown key {field!r}{at} (known keys: {known})")
-        elif not field:  # a cross-field check
+        elif not field or err["type"] == "value_error":  # a cross-field check, or a validator's own message
             problems.append(str(err.get("ctx", {}).get("error", err["msg"])))
         else:
             allowed = err["msg"].replace("Input should be", "must be")
@@ -116,6 +116,8 @@ class ExtractionConfig(ValidatedConfig):
     token_offset : how many leading tokens are absent from the signal (e.g. a trimmed BOS).
     exclude_special : drop tokens whose id is in ``special_ids`` from the rankings.
     special_ids : ids of special tokens; they get ``token_type`` ``special``.
+    exclude_positions : positions left out of the rankings (attention sinks, see
+        :func:`sparseety.extract.scoring.find_sinks`).
     """
 
     score_type: Literal["attention", "route", "activation"] = "attention"
@@ -133,6 +135,7 @@ class ExtractionConfig(ValidatedConfig):
     token_offset: StrictInt = Field(0, ge=0, le=MAX_TOKENS)
     exclude_special: StrictBool = False
     special_ids: tuple[Annotated[StrictInt, Field(ge=0, le=1 << 31)], ...] = ()
+    exclude_positions: tuple[Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)], ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -29,3 +29,11 @@ class ModelLoadError(SparseetyError):
 
 class InputError(SparseetyError, ValueError):
     """A prompt or other request input is unusable (empty, too long for the model)."""
+
+
+class QueryLimitError(InputError):
+    """A SQL statement passed a limit of the sandbox (``limit``: ``"timeout"`` or ``"memory"``) and was stopped."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit

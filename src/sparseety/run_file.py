@@ -35,6 +35,7 @@ from pydantic import (
 
 from sparseety.config import MAX_TOKENS
 from sparseety.errors import ConfigError
+from sparseety.ratio import StrictRatio
 from sparseety.run_file_checks import check_values
 from sparseety.yaml_strict import line_of, load_yaml
 
@@ -57,7 +58,7 @@ class SparsitySection(_Section):
     enabled: StrictBool = True
     policy: StrictStr | None = None
     kv_cache_limit: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
-    ratio: StrictFloat | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    ratio: StrictRatio | None = None
     attention_topk: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
     token_pruning: StrictBool | StrictStr = False
     policy_opts: dict[StrictStr, StrictStr | StrictInt | StrictFloat | StrictBool] = Field(default_factory=dict)
@@ -92,6 +93,8 @@ class ExtractionSection(_Section):
     top_k: StrictInt | None = Field(None, gt=0, le=MAX_TOKENS)
     min_score: StrictFloat | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
     layers: Literal["all", "auto"] | list[StrictInt] | StrictStr | None = None
+    importance: Literal["attention", "value", "output", "learned"] | None = None  #: ``--importance``
+    importance_weights: StrictStr | None = None  #: ``--importance-weights`` (``learned``)
 
 
 class LoggingSection(_Section):
@@ -152,6 +155,8 @@ class RunFile(_Section):
             "extraction.top_k": (("top_k",), e.top_k),
             "extraction.min_score": (("min_score",), e.min_score),
             "extraction.layers": (("layers",), layers),
+            "extraction.importance": (("importance",), e.importance),
+            "extraction.importance_weights": (("importance_weights",), e.importance_weights),
             "logging.tier": (("tier",), g.tier),
             "logging.sample_rate": (("sample_rate",), g.sample_rate),
             "logging.output_file": (("jsonl",), g.output_file),
@@ -198,6 +203,8 @@ def _problems(exc: ValidationError, text: str) -> list[str]:
         elif err["type"] == "value_error":
             message = str(err.get("ctx", {}).get("error", err["msg"]))
             out.append(f"{message}{at}")
+        elif err["type"] == "ratio":  # the message says the range and the value
+            out.append(f"{key} {err['msg']}{at}")
         else:
             allowed = err["msg"].replace("Input should be", "must be")
             out.append(f"{key or 'file'} {allowed}, got {err['input']!r}{at}")

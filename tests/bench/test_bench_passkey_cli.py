@@ -41,7 +41,7 @@ def test_passkey_bench_writes_json_table_and_plot(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--ratios", "0.5,1.5"], "--ratios: 1.5 is out of range (0 <= ratio < 1)"),
+    (["--ratios", "0.5,1.5"], "--ratios: a ratio must be in [0, 1), got 1.5"),
     (["--depths", "2"], "--depths: 2 is out of range (0 <= depth <= 1)"),
     (["--lengths", "abc"], "--lengths: 'abc' is not a valid int"),
     (["--lengths", "20"], "--lengths: 20 is out of range (50 to 131072 tokens)"),

@@ -71,7 +71,7 @@ def _registered(name: str) -> bool:
     (["--tasks", ""], "--tasks needs at least one value"),
     (["--lengths", "100"], "--lengths: 100 is out of range (200 to 131072 tokens)"),
     (["--lengths", "1k"], "--lengths: '1k' is not a valid int"),
-    (["--ratios", "1.0"], "--ratios: 1.0 is out of range (0 <= ratio < 1)"),
+    (["--ratios", "1.0"], "--ratios: a ratio must be in [0, 1), got 1.0"),
     (["--cases", "0"], "--cases must be positive, got 0"),
     (["--cases", "100000"], "--cases must be at most 10000, got 100000"),
     (["--policies", "streaming,nope"], "unknown policy 'nope'"),

@@ -103,7 +103,9 @@ def test_a_file_for_another_model_is_refused(traced, tmp_path):
                  "--policy-opt", f"model={out}", "--budget", "8", "--max-new-tokens", "2", "--no-report",
                  "--trace-dir", str(tmp_path / "t"))
     assert run.exit_code == 2
-    assert run.stderr.startswith("error: ") and str(folder) in run.stderr and str(other) in run.stderr
+    lines = run.stderr.splitlines()  # the threads line, then one error naming both models
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error: ") for line in lines) == 1, run.stderr
+    assert str(folder) in run.stderr and str(other) in run.stderr and "Traceback" not in run.output
 
 
 def test_empty_or_missing_trace_dir_fails_clearly(traced, tmp_path):

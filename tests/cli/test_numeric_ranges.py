@@ -29,6 +29,7 @@ REQUIRED: dict[str, list[str]] = {
     "run": ["--prompt", "hi"],
     "compare": ["--prompt", "hi"],
     "learn-policy": ["traces", "-o", "policy.safetensors"],
+    "learn-importance": ["text.txt", "-o", "weights.json"],
 }
 
 

@@ -73,3 +73,98 @@ def test_batch_file_flags_that_cannot_combine_are_refused(tmp_path: Path):
     empty = write(tmp_path / "empty.jsonl", [""])
     result = invoke("--batch-file", str(empty), "--trace-dir", str(tmp_path))
     assert result.exit_code == 2 and "holds no requests" in result.output
+
+
+def test_a_line_refused_by_the_engine_is_reported_alone_and_the_others_run(tmp_path: Path):
+    """A line the model cannot run (more tokens than its context) is refused when it joins the batch."""
+    batch = write(tmp_path / "prompts.jsonl", [
+        LINES[0],
+        {"prompt": "hi", "policy": "tova", "budget": 16, "max_new_tokens": 1 << 20, "request_id": "long"},
+        {"prompt": "Say hello.", "request_id": "hello"},
+    ])
+    result = invoke("--batch-file", str(batch), "--max-new-tokens", "3", "--trace-dir", str(tmp_path / "t"),
+                    "--json", "--no-report", "--no-chat")
+    assert result.exit_code == 2
+    errors = result.stderr.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {batch} line 2: the prompt (")
+    assert "plus max_new_tokens (1048576) exceeds the model's context" in errors[0]
+    docs = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [d["request_id"] for d in docs] == ["colours", "hello"]
+    assert all(load_trace(tmp_path / "t", d["request_id"]).request_id == d["request_id"] for d in docs)
+
+
+def test_a_line_that_is_not_utf8_is_refused_alone(tmp_path: Path):
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_bytes(b'\xef\xbb\xbf{"prompt": "Hi", "request_id": "first"}\n{"prompt": "caf\xe9"}\n'
+                      b'{"prompt": "Hi", "request_id": "third"}\n')
+    result = invoke("--batch-file", str(batch), "--max-new-tokens", "2", "--trace-dir", str(tmp_path / "t"),
+                    "--json", "--no-report", "--no-chat")
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {batch} line 2: not UTF-8 (byte 0xe9 at column 16)\n"
+    assert [json.loads(line)["request_id"] for line in result.stdout.splitlines()] == ["first", "third"]
+
+
+def test_lines_the_server_would_refuse_are_refused(tmp_path: Path):
+    """Roles and duplicate keys are checked as the server checks them (one shared definition)."""
+    batch = write(tmp_path / "prompts.jsonl", [
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        '{"prompt": "x", "prompt": "y"}',
+        '{"messages": [{"role": "user", "content": "a", "role": "system"}]}',
+        LINES[0],
+    ])
+    result = invoke("--batch-file", str(batch), "--max-new-tokens", "2", "--trace-dir", str(tmp_path / "t"),
+                    "--json", "--no-report", "--no-chat")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"error: {batch} line 1: messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or "
+        "'tool'",
+        f"error: {batch} line 2: the line gives the key 'prompt' twice",
+        f"error: {batch} line 3: the line gives the key 'role' twice",
+    ]
+    assert [json.loads(line)["request_id"] for line in result.stdout.splitlines()] == ["colours"]
+
+
+def test_an_over_long_line_is_refused_by_its_size_before_tokenizing(tmp_path: Path):
+    huge = "word " * 400_000  # 2,000,000 bytes: more than 128 bytes for each of the 8192 tokens of context
+    batch = write(tmp_path / "prompts.jsonl", [{"prompt": huge}, {"messages": [{"role": "user", "content": huge}]},
+                                               LINES[0]])
+    result = invoke("--batch-file", str(batch), "--max-new-tokens", "2", "--trace-dir", str(tmp_path / "t"),
+                    "--json", "--no-report", "--no-chat")
+    assert result.exit_code == 2
+    bound = ("is 2000000 bytes, more than the 1048576 bytes the model's context of 8192 tokens can hold (128 bytes a "
+             "token at most); refused before tokenizing")
+    assert result.stderr.splitlines() == [f"error: {batch} line 1: the prompt {bound}",
+                                          f"error: {batch} line 2: the messages' content {bound}"]
+    assert [json.loads(line)["request_id"] for line in result.stdout.splitlines()] == ["colours"]
+
+
+def test_a_request_that_fails_in_the_batch_is_reported_alone_and_the_others_are_traced(tmp_path: Path, monkeypatch):
+    """A fault injected into one line's policy (its ``score`` raises mid-decode) fails that request only."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from sparseety.policies import registry
+    from sparseety.policies.h2o import H2OPolicy
+
+    @dataclass
+    class Faulty(H2OPolicy):
+        name: ClassVar[str] = "faulty"
+
+        def score(self, obs):
+            if obs.step >= 2:
+                raise RuntimeError(f"injected fault at step {obs.step}")
+            return super().score(obs)
+
+    monkeypatch.setitem(registry._POLICIES, "faulty", Faulty)
+    batch = write(tmp_path / "prompts.jsonl", [
+        LINES[0], {"prompt": "Say hello in French.", "policy": "faulty", "budget": 16, "request_id": "bad"},
+        {"prompt": "Say hello.", "request_id": "hello"},
+    ])
+    result = invoke("--batch-file", str(batch), "--max-new-tokens", "4", "--trace-dir", str(tmp_path / "t"),
+                    "--json", "--no-report", "--no-chat")
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: {batch} line 2: request bad failed at decode (after 2 tokens): "
+                             "injected fault at step 2\n")
+    docs = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(d["request_id"], len(d["output_token_ids"])) for d in docs] == [("colours", 4), ("hello", 4)]
+    assert all(load_trace(tmp_path / "t", d["request_id"]).request_id == d["request_id"] for d in docs)

@@ -117,3 +117,12 @@ def test_a_long_decode_reports_progress_on_stderr_and_json_stays_quiet(tmp_path:
     assert [line.split("]")[0] for line in lines] == ["[1/3", "[2/3", "[3/3"][: len(lines)] and len(lines) >= 2
     quiet = invoke(*args, "--json")
     assert quiet.exit_code == 0 and "decode (steps" not in quiet.stderr
+
+
+def test_an_over_long_prompt_file_is_refused_by_its_size_before_tokenizing(tmp_path: Path):
+    huge = tmp_path / "huge.txt"
+    huge.write_text("word " * 400_000)
+    result = invoke("--prompt-file", str(huge), "--no-chat", "--trace-dir", str(tmp_path / "t"))
+    assert result.exit_code == 2
+    assert result.stderr == ("error: --prompt-file is 2000000 bytes, more than the 1048576 bytes the model's context "
+                             "of 8192 tokens can hold (128 bytes a token at most); refused before tokenizing\n")

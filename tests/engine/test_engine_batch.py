@@ -120,6 +120,8 @@ def test_requests_arriving_at_any_step_see_the_same(engine_for):
 @pytest.mark.parametrize("name, budget, opts", [
     ("h2o", 30, {}), ("h2o", 30, {"prefill_rows": 16}), ("snapkv", 30, {"window": 12}), ("pyramid", 30, {"window": 12}),
     ("tova", 30, {}), ("streaming", 30, {}), ("kvzip", 30, {"chunk_size": "40"}),
+    ("h2o", 30, {"value_aware": "true"}), ("snapkv", 30, {"window": 12, "value_aware": "true"}),
+    ("tova", 30, {"value_aware": "true"}),
 ])
 @pytest.mark.parametrize("chunk", [7, 32])
 def test_chunked_prefill_keeps_the_same_sets_as_one_prefill(name, budget, opts, chunk, engine_for):

@@ -13,7 +13,7 @@ from sparseety.policies import (
 )
 
 EXPECTED = {"dense", "streaming", "h2o", "snapkv", "tova", "knorm", "random", "pyramid", "topk_attention", "kvzip", "learned"}
-EXPECTED |= {"keydiff", "expected_attention", "compactor"}
+EXPECTED |= {"keydiff", "expected_attention", "compactor", "kvzap"}
 BUDGETED = sorted(EXPECTED - {"dense"})
 
 

@@ -46,17 +46,19 @@ def dense_policy() -> Policy:
 def compare(engine: SparseEngine, encoded: EncodedInput, policy: Policy, *, max_new_tokens: int = 64,
             tier: int = 2, top_k: int = 16, speculative: int | None = None, seed: int = 0,
             embeddings: bool = True, prune: PruneSchedule | None = None, attention_topk: int | None = None,
-            layers: str | None = None, min_score: float = 0.0,
-            on_phase: Callable[[str], None] | None = None) -> Comparison:
+            layers: str | None = None, min_score: float = 0.0, importance: str = "attention",
+            importance_weights: Any = None, on_phase: Callable[[str], None] | None = None) -> Comparison:
     """Run dense and ``policy`` on ``encoded`` and measure the difference.
 
     Fidelity is teacher-forced along the dense output: both the dense and the sparse engine runs are
     fed the dense tokens, so every step compares distributions over the same next token. ``prune`` and
-    ``attention_topk`` apply to the sparse side only; ``layers`` and ``min_score`` to both traces.
+    ``attention_topk`` apply to the sparse side only; ``layers``, ``min_score``, ``importance`` and
+    ``importance_weights`` (how the traces score important tokens) to both traces.
     ``on_phase`` is called after each of the four runs with its name (progress).
     """
     done = on_phase or (lambda _phase: None)
-    common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, layers=layers, min_score=min_score)
+    common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, layers=layers, min_score=min_score,
+                  importance=importance, importance_weights=importance_weights)
     baseline = engine.generate(encoded, dense_policy(), **common)
     done("dense baseline generated")
     sparse = engine.generate(encoded, policy, speculative=speculative, prune=prune, attention_topk=attention_topk,

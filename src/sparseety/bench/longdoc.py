@@ -43,10 +43,10 @@ def answer_document(engine: SparseEngine, encoded: EncodedInput, policy_name: st
     ``dense`` keeps everything and ignores ``engine_options`` (``prune``, ``attention_topk``), which apply
     beside every other policy.
     """
-    from sparseety.policies import build_policy, resolve_budget
+    from sparseety.policies import sized_policy
 
-    budget = None if policy_name == DENSE else resolve_budget(None, ratio, encoded.compress_len or 0)
-    policy = build_policy(policy_name, budget, options or {})
+    policy = sized_policy(policy_name, None, None if policy_name == DENSE else ratio, encoded.compress_len or 0,
+                          options or {})
     extras = {} if policy_name == DENSE else (engine_options or {})
     start = time.perf_counter()
     result = engine.generate(encoded, policy, max_new_tokens=max_new_tokens, tier=1, seed=seed, **extras)

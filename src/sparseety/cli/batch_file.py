@@ -7,14 +7,15 @@ A bad line is reported on its own (``error: FILE line N: ...``) and the others s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
 from sparseety.errors import InputError, SparseetyError
+from sparseety.ratio import StrictRatio
+from sparseety.request_json import Role, check_text_size, parse_json_object
 
 if TYPE_CHECKING:
     from sparseety.cli.run_inputs import RunInputs
@@ -27,7 +28,7 @@ REQUEST_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: StrictStr
+    role: Role
     content: StrictStr
 
 
@@ -39,7 +40,7 @@ class BatchLine(BaseModel):
     messages: list[_Message] | None = None
     policy: StrictStr | None = None
     budget: StrictInt | None = Field(None, ge=1, le=1 << 24)
-    ratio: StrictFloat | None = Field(None, ge=0, lt=1)
+    ratio: StrictRatio | None = None
     max_new_tokens: StrictInt | None = Field(None, ge=1, le=1 << 20)
     request_id: StrictStr | None = Field(None, pattern=REQUEST_ID)
 
@@ -64,30 +65,34 @@ class BatchItem:
 
 
 def read_batch_file(path: Path) -> list[tuple[int, BatchLine | str]]:
-    """Per non-empty line: ``(line number, BatchLine)`` or ``(line number, error message)``."""
+    """Per non-empty line: ``(line number, BatchLine)`` or ``(line number, error message)``.
+
+    Lines are split on bytes and decoded one by one, so a line that is not UTF-8 is refused alone.
+    """
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read --batch-file {path}: {exc}") from None
-    lines = [(n, raw) for n, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read --batch-file {path}: {exc.strerror or exc}") from None
+    lines = [(n, raw) for n, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").splitlines(), start=1)
+             if raw.strip()]
     if not lines:
         raise InputError(f"--batch-file {path} holds no requests (one JSON object per line)")
     if len(lines) > MAX_LINES:
         raise InputError(f"--batch-file {path} holds {len(lines)} requests, more than {MAX_LINES}")
-    out: list[tuple[int, BatchLine | str]] = []
-    for n, raw in lines:
-        try:
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError(f"a line is one JSON object, got {type(data).__name__}")
-            out.append((n, BatchLine(**data)))
-        except json.JSONDecodeError as exc:
-            out.append((n, f"not JSON: {exc.msg} at column {exc.colno}"))
-        except ValidationError as exc:
-            out.append((n, "; ".join(_problem(e) for e in exc.errors(include_url=False))))
-        except (ValueError, TypeError) as exc:
-            out.append((n, str(exc)))
-    return out
+    return [(n, _parse_line(raw)) for n, raw in lines]
+
+
+def _parse_line(raw: bytes) -> BatchLine | str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+    try:
+        return BatchLine.model_validate(parse_json_object(text, what="the line"))
+    except InputError as exc:
+        return str(exc)
+    except ValidationError as exc:
+        return "; ".join(_problem(e) for e in exc.errors(include_url=False))
 
 
 def _problem(err: dict[str, Any]) -> str:
@@ -99,29 +104,35 @@ def _problem(err: dict[str, Any]) -> str:
 
 
 def encode_item(n: int, line: BatchLine, inputs: RunInputs, tokenizer: Any, max_new_tokens: int,
-                default_id: str) -> BatchItem:
-    """Encode one line with the flags' defaults; raises :class:`SparseetyError` naming what was wrong."""
+                default_id: str, max_positions: int | None = None) -> BatchItem:
+    """Encode one line with the flags' defaults; raises :class:`SparseetyError` naming what was wrong.
+
+    Text that cannot fit in ``max_positions`` tokens is refused by its size in bytes, before tokenizing.
+    """
     from sparseety.engine import encode_messages, encode_prompt
 
     if line.messages is not None:
+        check_text_size(sum(len(m.content.encode()) for m in line.messages), "the messages' content", max_positions)
         encoded = encode_messages(tokenizer, [m.model_dump() for m in line.messages])
     else:
+        check_text_size(len((line.prompt or "").encode()), "the prompt", max_positions)
         encoded = encode_prompt(tokenizer, line.prompt or "", inputs.chat)
     policy = inputs.policy_for(encoded, name=line.policy or inputs.policy, budget=line.budget, ratio=line.ratio)
     return BatchItem(n, line.request_id or default_id, encoded, policy, line.max_new_tokens or max_new_tokens)
 
 
-def prepare(path: Path, inputs: RunInputs, tokenizer: Any, max_new_tokens: int,
-            new_id: Any) -> tuple[list[BatchItem], list[str]]:
-    """Validated items and one error line per rejected line (duplicate ids are rejected too)."""
+def prepare(path: Path, lines: list[tuple[int, BatchLine | str]], inputs: RunInputs, tokenizer: Any,
+            max_new_tokens: int, new_id: Any, max_positions: int | None = None) -> tuple[list[BatchItem], list[str]]:
+    """Validated items and one error line per rejected line of ``lines`` (:func:`read_batch_file`);
+    duplicate ids are rejected too."""
     items: list[BatchItem] = []
     errors: list[str] = []
     seen: set[str] = set()
-    for n, line in read_batch_file(path):
+    for n, line in lines:
         try:
             if isinstance(line, str):
                 raise InputError(line)
-            item = encode_item(n, line, inputs, tokenizer, max_new_tokens, new_id())
+            item = encode_item(n, line, inputs, tokenizer, max_new_tokens, new_id(), max_positions)
             if item.request_id in seen:
                 raise InputError(f"request_id {item.request_id!r} appears twice")
         except SparseetyError as exc:

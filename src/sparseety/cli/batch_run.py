@@ -1,4 +1,8 @@
-"""Running a ``--batch-file``: one continuous batch, one trace (and report) per request, a line per request out."""
+"""Running a ``--batch-file``: one continuous batch, one trace (and report) per request, a line per request out.
+
+Exit code 2 when a line was refused or its request failed (each one an ``error: FILE line N: ...`` line),
+else 1 when a trace could not be written (each one a ``warning:`` line; its answer is printed anyway), else 0.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +11,38 @@ import sys
 import uuid
 from pathlib import Path
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
-from sparseety.cli.batch_file import prepare
+from sparseety.cli.batch_file import prepare, read_batch_file
 from sparseety.cli.run_inputs import RunInputs
-from sparseety.errors import InputError
+from sparseety.cli.trace_output import TRACE_WRITE_FAILED, store_run
+from sparseety.errors import InputError, SparseetyError
+
+BAD_INPUT = 2
 
 
 def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens: int, trace_dir: Path, seed: int,
                    as_json: bool, no_report: bool, redact: bool, ids_only: bool, sample_rate: float,
                    force_trace: bool, jsonl: Path | None, max_concurrency: int, prefill_chunk: int) -> None:
-    """Run every valid line of ``path`` as one batch; bad lines are reported and make the exit code 2."""
+    """Run every valid line of ``path`` as one batch; each bad line or failed request is reported alone."""
     from sparseety.engine import SparseEngine
     from sparseety.engine.request import GenerationOptions
     from sparseety.models import load_model
-    from sparseety.store import load_trace, trace_tier, write_trace
+    from sparseety.store import trace_tier
+    from sparseety.store.dataset import check_trace_dir
 
     if max_concurrency <= 0 or prefill_chunk <= 0:
         raise InputError("--max-concurrency and --prefill-chunk must be positive")
+    lines = read_batch_file(path)  # before the model loads, as is the trace directory
+    traced = inputs.tier >= 1 or force_trace
+    if traced:
+        check_trace_dir(trace_dir)
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
-    items, errors = prepare(path, inputs, tokenizer, max_new_tokens, lambda: uuid.uuid4().hex)
+    items, errors = prepare(path, lines, inputs, tokenizer, max_new_tokens, lambda: uuid.uuid4().hex,
+                            engine.max_positions)
     batch = engine.batch(max_batch=max_concurrency, prefill_chunk=prefill_chunk)
     queued = []
     for item in items:
@@ -37,39 +51,51 @@ def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens:
                                     **inputs.engine_options(engine.num_layers))
         try:
             batch.add(item.encoded, item.policy, options, request_id=item.request_id)
-        except InputError as exc:
+        except SparseetyError as exc:  # InputError, or a ConfigError such as a learned policy without its file
             errors.append(f"{path} line {item.line}: {exc}")
             continue
         queued.append(item)
     for message in errors:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        _error(message)
     results = batch.run()
-    console = Console()
     table = Table("request", "policy", "prompt", "output", "evicted", "KV peak / dense", "text")
+    done = warned = unwritten = 0
     for item in queued:
-        result = results[item.request_id]
-        report_path = None
-        if result.tier >= 1:
-            result.trace_path = str(write_trace(result, trace_dir, redact=redact, ids_only=ids_only,
-                                                sample_rate=sample_rate))
-            if jsonl is not None:
-                from sparseety.cli.run_cmd import append_jsonl
-
-                append_jsonl(trace_dir, result.request_id, jsonl)
-            if not no_report:
-                from sparseety.report import write_report
-
-                report_path = write_report(load_trace(trace_dir, result.request_id))
+        result = results.get(item.request_id)
+        if result is None:
+            failure = batch.failures.get(item.request_id)
+            errors.append(f"{path} line {item.line}: "
+                          f"{failure.message() if failure else f'request {item.request_id} gave no result'}")
+            _error(errors[-1])
+            continue
+        done += 1
+        stored = store_run(result, trace_dir, redact=redact, ids_only=ids_only, sample_rate=sample_rate,
+                           jsonl=jsonl, report=not no_report)
+        warned += bool(stored.warnings)
+        unwritten += stored.trace_error is not None
         if as_json:
-            sys.stdout.write(json.dumps(result.to_json()) + "\n")
+            doc = result.to_json()
+            if stored.trace_error is not None:
+                doc["trace_error"] = stored.trace_error
+            sys.stdout.write(json.dumps(doc) + "\n")
+            sys.stdout.flush()
             continue
         dense = result.kv_cache_bytes_dense or 1
+        report = "" if stored.report_path is None else f"  ({stored.report_path})"
         table.add_row(result.request_id, result.policy, str(len(result.prompt_ids)), str(len(result.output_ids)),
                       str(result.evicted_positions or 0), f"{result.kv_cache_bytes_peak / dense:.2f}",
-                      result.text.replace("\n", " ")[:60] + ("" if report_path is None else f"  ({report_path})"))
+                      result.text.replace("\n", " ")[:60] + report)
     if not as_json:
+        console = Console()
         console.print(table)
-        console.print(f"{len(queued)} requests in one batch (up to {max_concurrency} at once); traces in {trace_dir}",
+        traces = "" if not traced else f"; traces in {trace_dir}" + (f" ({unwritten} not written)" if unwritten else "")
+        console.print(f"{done} of {len(lines)} requests done in one batch (up to {max_concurrency} at once){traces}",
                       markup=False, highlight=False)
     if errors:
-        raise SystemExit(2)
+        raise typer.Exit(BAD_INPUT)
+    if warned:
+        raise typer.Exit(TRACE_WRITE_FAILED)
+
+
+def _error(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)

@@ -43,6 +43,7 @@ def passkey_cmd(
     resume: bool = typer.Option(False, "--resume", help="Continue the unfinished run in --out without redoing "
                                 "its finished cases (passkey.json is rewritten after every case)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
+    threads: int | None = opt.THREADS_OPT,
 ) -> None:
     """Hide a pass key in license text at each length and depth; ask for it with the context compressed."""
     from sparseety.bench import PasskeyReport, PasskeyResult, make_cases, run_passkey, tokenizer_counter
@@ -51,8 +52,8 @@ def passkey_cmd(
     from sparseety.cli.bench_common import (check_policies, finished_results, parse_lengths, parse_ratios,
                                             policy_options_by_name, saving_each, write_complete)
     from sparseety.engine import SparseEngine
-    from sparseety.errors import ConfigError
     from sparseety.models import load_model
+    from sparseety.threads import use_threads
 
     names = parse_list(policies, "--policies", str)
     options = policy_options_by_name(policy_opt, names)
@@ -60,8 +61,6 @@ def passkey_cmd(
     ratio_list = parse_ratios(ratios)
     length_list = parse_lengths(lengths)
     depth_list = parse_list(depths, "--depths", float, lambda d: 0.0 <= d <= 1.0, "0 <= depth <= 1")
-    if max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     extras = RunInputs(prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
     extras.check(need_source=False)
     settings = {"model": model, "policies": names, "ratios": ratio_list, "lengths": length_list, "depths": depth_list,
@@ -73,6 +72,7 @@ def passkey_cmd(
     finished = finished_results(target, "passkey", settings, PasskeyResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
+    use_threads(threads, quiet=quiet)
     engine_options = {"prune": extras.prune_for(engine.num_layers), "attention_topk": attention_topk}
     cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
 

@@ -45,7 +45,9 @@ def policy_options_by_name(items: Sequence[str], names: Sequence[str]) -> dict[s
 
 
 def parse_ratios(raw: str) -> list[float]:
-    return parse_list(raw, "--ratios", float, lambda r: 0.0 <= r < 1.0, "0 <= ratio < 1")
+    from sparseety.ratio import check_ratio
+
+    return [check_ratio(r, "--ratios: a ratio") for r in parse_list(raw, "--ratios", float)]
 
 
 def parse_lengths(raw: str) -> list[int]:

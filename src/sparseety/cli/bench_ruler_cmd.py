@@ -13,6 +13,7 @@ from rich.table import Table
 from sparseety.cli.app import user_errors
 from sparseety.cli.bench_cmd import bench_app
 from sparseety.cli.bounds import MAX_LENGTH
+from sparseety.cli.run_inputs import THREADS_OPT
 from sparseety.cli.lists import parse_list
 from sparseety.models.registry import DEFAULT_MODEL
 
@@ -39,6 +40,7 @@ def ruler_cmd(
                                 "its finished cases (ruler.json is rewritten after every case)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result document as JSON on stdout (no progress)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
+    threads: int | None = THREADS_OPT,
 ) -> None:
     """Generate RULER-style cases from license text; answer each with the context compressed, the question not."""
     from sparseety.bench.ruler import TASKS, make_ruler_cases
@@ -52,6 +54,7 @@ def ruler_cmd(
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
     from sparseety.report import write_report
+    from sparseety.threads import use_threads
 
     task_list = parse_list(tasks, "--tasks", str)
     for task in task_list:
@@ -66,8 +69,6 @@ def ruler_cmd(
     length_list = parse_list(lengths, "--lengths", int, lambda n: 200 <= n <= MAX_LENGTH, f"200 to {MAX_LENGTH} tokens")
     if cases <= 0:
         raise ConfigError(f"--cases must be positive, got {cases}")
-    if max_new_tokens is not None and max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     settings = {"model": model, "tasks": task_list, "policies": names, "ratios": ratio_list, "lengths": length_list,
                 "cases": cases, "seed": seed, "max_new_tokens": max_new_tokens, "chat": chat,
                 "policy_opt": list(policy_opt)}
@@ -75,6 +76,7 @@ def ruler_cmd(
     finished = finished_results(target, "ruler", settings, RulerResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
+    use_threads(threads, quiet=quiet or as_json)
     case_list = make_ruler_cases(task_list, length_list, cases, seed, tokenizer_counter(tokenizer))
 
     def describe(row: RulerResult) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sparseety.config import MAX_TOKENS
 from sparseety.errors import InputError
+from sparseety.ratio import check_ratio
 
 MAX_LENGTH = 1 << 17
 """The longest passkey context (``--lengths``)."""
@@ -21,6 +22,7 @@ MAX_LENGTH = 1 << 17
 #: parameter name -> (smallest, largest) accepted value, both inclusive; None: that side is checked by
 #: the command itself, with a message of its own (``--budget must be a positive integer``)
 BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "ablations": (0, 10_000),
     "attention_topk": (None, MAX_TOKENS),
     "budget": (None, MAX_TOKENS),
     "cases": (None, 10_000),
@@ -36,7 +38,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "max_body_bytes": (None, 1 << 30),
     "max_budget": (None, MAX_TOKENS),
     "max_concurrency": (1, 256),
-    "max_new_tokens": (None, MAX_TOKENS),
+    "max_new_tokens": (1, MAX_TOKENS),
     "max_queue": (0, 100_000),
     "max_tokens_limit": (None, MAX_TOKENS),
     "min_budget": (None, MAX_TOKENS),
@@ -47,11 +49,15 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "sample_rate": (None, None),
     "seed": (0, 2**32 - 1),
     "speculative": (1, 1024),
+    "sql_threads": (1, 256),  # sparseety.store.sandbox.MAX_THREADS
+    "sql_timeout": (None, 86_400.0),  # more than 0: checked by sparseety.store.sandbox.check_limits
     "step": (None, MAX_TOKENS),
+    "steps": (1, 100_000),
     "threads": (1, 1024),
     "threshold": (None, 1e6),
     "tier": (None, None),
     "timeout": (0.001, 86_400.0),
+    "tokens": (8, MAX_TOKENS),  # a passage of bench faithfulness / learn-importance
     "top_k": (None, MAX_TOKENS),
 }
 
@@ -70,6 +76,8 @@ def check_bounds(params: dict[str, Any]) -> None:
             continue
         low, high = BOUNDS[name]
         flag = "--" + name.replace("_", "-")
+        if name == "ratio":
+            check_ratio(value, flag)
         if isinstance(value, float) and not math.isfinite(value):
             raise InputError(f"{flag} must be a finite number, got {value}")
         if low is not None and value < low:

@@ -14,6 +14,7 @@ from rich.table import Table
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.run_inputs import RunInputs
+from sparseety.cli.trace_output import TRACE_WRITE_FAILED, reason
 from sparseety.run_file import with_run_file
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def compare_cmd(
     seed: int = opt.SEED_OPT,
     as_json: bool = opt.JSON_OPT,
     report: bool = typer.Option(True, "--report/--no-report", help="Write an HTML report of the sparse run."),
+    threads: int | None = opt.THREADS_OPT,
 ) -> None:
     """Run the dense baseline and the sparse policy; report the token diff, teacher-forced fidelity and quality.
 
@@ -57,38 +59,58 @@ def compare_cmd(
     from sparseety.analysis.compare import compare
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
-    from sparseety.store import load_trace, write_trace
+    from sparseety.threads import use_threads
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
                        tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score)
     inputs.check()
+    if tier >= 1:
+        from sparseety.store.dataset import check_trace_dir
+
+        check_trace_dir(trace_dir)  # before the model loads
     sources = inputs.read_sources()
     lm, tokenizer = load_model(model)
-    encoded = inputs.encode(tokenizer, sources)
+    encoded = inputs.encode(tokenizer, sources, max_positions=getattr(lm.config, "max_position_embeddings", None))
     kv_policy = inputs.policy_for(encoded)
     engine = SparseEngine(lm, tokenizer, model)
+    use_threads(threads, quiet=as_json)
     from sparseety.cli.progress import steps
 
     with steps(4, "compare", quiet=as_json) as progress:  # dense and sparse runs, then both teacher-forced
         result = compare(engine, encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
                          speculative=speculative, seed=seed, on_phase=progress.advance,
                          **inputs.engine_options(engine.num_layers))
-    report_path = None
-    if tier >= 1:
-        write_trace(result.baseline, trace_dir)
-        write_trace(result.sparse, trace_dir, extra={"compare": result.section()})
-        if report:
-            from sparseety.report import write_report
-
-            report_path = write_report(load_trace(trace_dir, result.sparse.request_id))
+    report_path, trace_error = _store(result, trace_dir, report) if tier >= 1 else (None, None)
     if as_json:
         document = result.to_json()
         document["report_path"] = str(report_path) if report_path else None
+        if trace_error is not None:
+            document["trace_error"] = trace_error
         sys.stdout.write(json.dumps(document) + "\n")
-        return
-    print_comparison(result, Console())
-    if report_path:
-        Console().print(f"report: {report_path}")
+    else:
+        print_comparison(result, Console())
+        if report_path:
+            Console().print(f"report: {report_path}")
+    if trace_error is not None:  # the comparison is printed; that its trace or report is missing is the exit code
+        raise typer.Exit(TRACE_WRITE_FAILED)
+
+
+def _store(result: Comparison, trace_dir: Path, report: bool) -> tuple[Path | None, str | None]:
+    """Write both traces (and the report); never raises: a failure is one ``warning:`` line and its reason."""
+    from sparseety.store import load_trace, write_trace
+
+    try:
+        write_trace(result.baseline, trace_dir)
+        write_trace(result.sparse, trace_dir, extra={"compare": result.section()})
+        if not report:
+            return None, None
+        from sparseety.report import write_report
+
+        return write_report(load_trace(trace_dir, result.sparse.request_id)), None
+    except Exception as exc:  # the comparison is printed whatever went wrong here
+        why = reason(exc)
+        print(f"warning: the traces of this comparison were not all written: {why}", file=sys.stderr, flush=True)
+        return None, why
 
 
 def print_comparison(result: Comparison, console: Console) -> None:

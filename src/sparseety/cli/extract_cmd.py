@@ -84,7 +84,7 @@ def extract_command(
                 settings = ExtractionConfig(**{**defaults, **entry.config_fields(), **flags})
                 result = extract_detailed(
                     entry.token_ids,
-                    entry.load_scores(),
+                    entry.scores_for(settings),
                     settings,
                     text_of,
                     prompt_len=len(entry.prompt_tokens),

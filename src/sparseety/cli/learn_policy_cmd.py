@@ -1,4 +1,5 @@
-"""``sparseety learn-policy``: train the ``learned`` policy's predictor from tier-3 traces."""
+"""``sparseety learn-policy``: train the ``learned`` policy's predictor from tier-3 traces, or (``--target kvzip``)
+the ``kvzap`` policy's surrogate from KVzip+ scores of the traced prompts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.run_inputs import THREADS_OPT
 
 
 @app.command("learn-policy")
@@ -35,6 +37,12 @@ def learn_policy_cmd(
                                     "(recorded in the file's provenance)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (metrics and provenance)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
+    threads: int | None = THREADS_OPT,
+    target: str = typer.Option("attention", "--target", help="What to learn: attention (the learned policy, "
+                               "labels from later steps' attention in tier-3 traces) or kvzip (the kvzap policy's "
+                               "surrogate, regressing the KVzip+ scores of each traced prompt, any tier)."),
+    surrogate: str = typer.Option("linear", "--surrogate", help="With --target kvzip: linear (ridge, per layer) "
+                                  "or mlp (--hidden wide, --epochs, --lr)."),
 ) -> None:
     """Replay each traced prefill, label positions by the attention later steps gave them, fit a tiny predictor,
     print its held-out ranking quality against h2o, tova and recency, and write it with its provenance."""
@@ -42,6 +50,7 @@ def learn_policy_cmd(
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
+    from sparseety.threads import use_threads
 
     checks = [(epochs >= 1, f"--epochs must be at least 1, got {epochs}"),
               (0 <= hidden <= 1024, f"--hidden must be in 0..1024, got {hidden}"),
@@ -55,12 +64,22 @@ def learn_policy_cmd(
             raise ConfigError(message)
     if out.suffix != ".safetensors":
         raise ConfigError(f"-o must name a .safetensors file, got {out}")
+    if target not in ("attention", "kvzip"):
+        raise ConfigError(f"--target must be attention or kvzip, got {target!r}")
+    if target == "kvzip":
+        _learn_kvzip(trace_dir, out, model, surrogate, hidden, epochs, lr, holdout, max_examples, seed, text_source,
+                     as_json, quiet, threads)
+        return
+    if trace_dir.exists() and not trace_dir.is_dir():
+        raise ConfigError(f"{trace_dir} is a file; learn-policy reads a trace directory (one written by "
+                          "`sparseety run --tier 3 --trace-dir DIR`)")
     examples = read_examples(trace_dir, model, label)  # before the model loads: an empty dataset fails at once
     name = model or examples[0].model
     say = (lambda m: None) if quiet or as_json else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"{len(examples)} tier-3 requests of model {name}; loading it to replay their prefills")
     lm, tokenizer = load_model(name)
     engine = SparseEngine(lm, tokenizer, name)
+    use_threads(threads, quiet=quiet or as_json)
     config = TrainConfig(epochs=epochs, hidden=hidden, lr=lr, label=label, label_top=label_top, holdout=holdout,
                          max_examples=max_examples, seed=seed)
     result = learn(engine, examples, config, trace_dir=str(trace_dir), text_source=text_source, on_progress=say)
@@ -78,3 +97,46 @@ def learn_policy_cmd(
     console.print(table)
     console.print(f"wrote {path} (trained for {result.predictor.model}, {result.predictor.model_fingerprint}, "
                   f"{result.examples} slots from {len(result.train_requests)} requests)")
+
+
+def _learn_kvzip(trace_dir: Path, out: Path, model: str | None, surrogate: str, hidden: int, epochs: int, lr: float,
+                 holdout: float, max_examples: int, seed: int, text_source: str, as_json: bool, quiet: bool,
+                 threads: int | None) -> None:
+    """``--target kvzip``: fit the kvzap surrogate, print its held-out fidelity per layer, write it."""
+    from sparseety.analysis.learn_kvzap import KVzapConfig, learn_kvzap, read_contexts
+    from sparseety.engine import SparseEngine
+    from sparseety.errors import ConfigError
+    from sparseety.models import load_model
+    from sparseety.policies.kvzap_model import SURROGATES
+    from sparseety.threads import use_threads
+
+    if surrogate not in SURROGATES:
+        raise ConfigError(f"--surrogate must be one of {', '.join(SURROGATES)}, got {surrogate!r}")
+    if surrogate == "mlp" and hidden < 1:
+        raise ConfigError(f"--hidden must be at least 1 for --surrogate mlp, got {hidden}")
+    contexts = read_contexts(trace_dir, model)  # before the model loads: an empty dataset fails at once
+    name = model or contexts[0].model
+    say = (lambda m: None) if quiet or as_json else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"{len(contexts)} traced prompts of model {name}; loading it to score them with KVzip+")
+    lm, tokenizer = load_model(name)
+    engine = SparseEngine(lm, tokenizer, name)
+    use_threads(threads, quiet=quiet or as_json)
+    config = KVzapConfig(surrogate=surrogate, hidden=hidden, epochs=epochs, lr=lr, holdout=holdout,
+                         max_examples=max_examples, seed=seed)
+    result = learn_kvzap(engine, contexts, config, trace_dir=str(trace_dir), text_source=text_source, on_progress=say)
+    path = result.surrogate.save(out)
+    provenance = result.surrogate.provenance
+    if as_json:
+        print(json.dumps({"out": str(path), "heldout": result.per_layer, "heldout_mean": provenance["heldout_mean"],
+                          "provenance": provenance}, indent=2))
+        return
+    console = Console()
+    table = Table("layer", "spearman", "recall@0.5", title=f"held-out fidelity to KVzip+ ({len(result.heldout_requests)} "
+                  "requests): rank correlation, and the share of KVzip+'s kept set at ratio 0.5 kept")
+    for row in result.per_layer:
+        table.add_row(str(row["layer"]), f"{row['spearman']:.3f}", f"{row['recall@0.5']:.3f}")
+    mean = provenance["heldout_mean"]
+    table.add_row("mean", f"{mean['spearman']:.3f}", f"{mean['recall@0.5']:.3f}")
+    console.print(table)
+    console.print(f"wrote {path} ({result.surrogate.kind} surrogate for {result.surrogate.model}, "
+                  f"{result.surrogate.model_fingerprint}, {result.tokens} tokens from {len(result.train_requests)} requests)")

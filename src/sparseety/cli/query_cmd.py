@@ -1,7 +1,8 @@
 """``sparseety query "SQL"``: DuckDB over the trace dataset's views, printed as a table, JSON or CSV.
 
 The SQL runs in the store's sandbox (:mod:`sparseety.store.sandbox`): one read-only statement over the
-dataset's views, no other file, URL, database or extension.
+dataset's views, no other file, URL, database or extension, within the limits of ``--sql-timeout``,
+``--sql-memory-limit`` and ``--sql-threads`` (shared with ``traces`` and ``report``).
 """
 
 from __future__ import annotations
@@ -10,14 +11,26 @@ import csv
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from sparseety.cli.app import app, user_errors
 from sparseety.errors import InputError
 
+if TYPE_CHECKING:
+    from duckdb import DuckDBPyConnection
+
+    from sparseety.store.sandbox import SqlLimits, Watch
+
 TRACE_DIR_HELP = "Trace dataset directory (what `sparseety run --trace-dir` wrote)."
 FORMATS = ("table", "json", "csv")
+# Defaults: sparseety.store.sandbox.CLI_LIMITS (not imported here: the CLI starts without DuckDB).
+SQL_TIMEOUT_OPT = typer.Option(None, "--sql-timeout", help="Seconds the SQL may run before it is stopped "
+                               "(default 30).")
+SQL_MEMORY_OPT = typer.Option(None, "--sql-memory-limit", help="Memory DuckDB may use, e.g. 256MiB; no spilling "
+                              "to disk (default 1GiB).")
+SQL_THREADS_OPT = typer.Option(None, "--sql-threads", help="DuckDB threads (default 2).")
 
 
 @app.command("query")
@@ -26,25 +39,44 @@ def query_command(
     sql: str = typer.Argument(..., help="SQL over the views requests, token_events, important_tokens, signals."),
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help=TRACE_DIR_HELP),
     output_format: str = typer.Option("table", "--format", help="table|json|csv."),
+    sql_timeout: float | None = SQL_TIMEOUT_OPT,
+    sql_memory_limit: str | None = SQL_MEMORY_OPT,
+    sql_threads: int | None = SQL_THREADS_OPT,
 ) -> None:
     """Run SQL over a trace dataset (DuckDB; views requests, token_events, important_tokens, signals)."""
-    import duckdb
-
     from sparseety.store import connect
-    from sparseety.store.export import plain
-    from sparseety.store.reader import VIEWS
-    from sparseety.store.sandbox import check_sql
+    from sparseety.store.sandbox import watching
 
+    limits = sql_limits(sql_timeout, sql_memory_limit, sql_threads)
     if output_format not in FORMATS:
         raise InputError(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
-    con = connect(trace_dir)
+    with watching(limits) as watch:
+        con = connect(trace_dir)
+        try:
+            columns, rows = _run(con, sql, watch)
+        finally:
+            con.close()
+    _print(columns, rows, output_format)
+
+
+def _run(con: DuckDBPyConnection, sql: str, watch: Watch) -> tuple[list[str], list[tuple[object, ...]]]:
+    """Columns and rows of ``sql``; DuckDB's errors as :class:`InputError` (a limit's: named by ``watching``)."""
+    import duckdb
+
+    from sparseety.store.reader import VIEWS
+    from sparseety.store.sandbox import check_sql, fetch_rows
+
     try:
         check_sql(con, sql)
-        relation = con.sql(sql)
-        if relation is None:
+        con.execute(sql)
+        if con.description is None:
             raise InputError("the SQL statement returns no rows; give a query (SELECT ...)")
-        columns = list(relation.columns)
-        rows = relation.fetchall()
+        return [d[0] for d in con.description], fetch_rows(con, watch)
+    except duckdb.OutOfMemoryException:
+        raise  # watching() names the memory limit
+    except duckdb.InterruptException:
+        watch.check()  # the statement timeout; else an interrupt from outside
+        raise InputError("query interrupted") from None
     except duckdb.ParserException as exc:
         raise InputError(f"malformed SQL: {_first_line(exc)}") from None
     except duckdb.CatalogException as exc:
@@ -53,8 +85,29 @@ def query_command(
         raise InputError(f"refused: query reads the trace dataset only ({_first_line(exc)})") from None
     except duckdb.Error as exc:
         raise InputError(f"query failed: {_first_line(exc)}") from None
-    finally:
-        con.close()
+
+
+def sql_limits(timeout: float | None, memory_limit: str | None, threads: int | None) -> SqlLimits:
+    """The :class:`SqlLimits` of ``--sql-timeout``, ``--sql-memory-limit`` and ``--sql-threads`` (None: the default).
+
+    Raises
+    ------
+    ConfigError
+        A value out of range, naming its flag.
+    """
+    from sparseety.store.sandbox import CLI_LIMITS, SqlLimits, check_limits
+    from sparseety.units import parse_size
+
+    memory = CLI_LIMITS.memory_limit if memory_limit is None else parse_size(memory_limit, "--sql-memory-limit")
+    threads = CLI_LIMITS.threads if threads is None else threads
+    timeout = CLI_LIMITS.timeout if timeout is None else timeout
+    check_limits(memory, threads, timeout, ("--sql-memory-limit", "--sql-threads", "--sql-timeout"), memory_limit)
+    return SqlLimits(memory_limit=memory, threads=threads, timeout=float(timeout))
+
+
+def _print(columns: list[str], rows: list[tuple[object, ...]], output_format: str) -> None:
+    from sparseety.store.export import plain
+
     if output_format == "json":
         sys.stdout.write(json.dumps([dict(zip(columns, plain(list(row)))) for row in rows], ensure_ascii=False) + "\n")
     elif output_format == "csv":

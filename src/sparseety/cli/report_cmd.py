@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.query_cmd import SQL_MEMORY_OPT, SQL_THREADS_OPT, SQL_TIMEOUT_OPT, sql_limits
 
 
 @app.command("report")
@@ -17,6 +18,9 @@ def report(
     png: Path | None = typer.Option(None, "--png", help="Also write the figures as PNG files into this directory."),
     layer: int | None = typer.Option(None, "--layer", help="Layer selected when the report opens (default: all layers)."),
     request_id: str | None = typer.Option(None, "--request-id", help="Which request of a trace directory (default: newest)."),
+    sql_timeout: float | None = SQL_TIMEOUT_OPT,
+    sql_memory_limit: str | None = SQL_MEMORY_OPT,
+    sql_threads: int | None = SQL_THREADS_OPT,
 ) -> None:
     """Write one self-contained HTML report (opens offline, no network): summary, text shaded by importance
     with token details on hover, eviction timeline per layer, kept fraction per layer, top tokens, and the
@@ -24,8 +28,10 @@ def report(
     from sparseety.report.html import render_view
     from sparseety.report.plots import save_figures
     from sparseety.report.write import default_report_path, report_view, write_html
+    from sparseety.store.sandbox import using
 
-    view, stored, json_source = report_view(trace, layer=layer, request_id=request_id)
+    with using(sql_limits(sql_timeout, sql_memory_limit, sql_threads)):  # reading the trace
+        view, stored, json_source = report_view(trace, layer=layer, request_id=request_id)
     target = out if out is not None else default_report_path(stored, json_source)
     write_html(target, render_view(view))
     print(f"report: {target}")

@@ -17,6 +17,7 @@ from sparseety.cli.progress import Steps, steps
 from sparseety.cli.run_inputs import RunInputs, read_text
 from sparseety.errors import InputError
 from sparseety.run_file import with_run_file
+from sparseety.threads import use_threads
 
 __all__ = ["read_text", "run"]
 
@@ -41,6 +42,8 @@ def run(
     tier: int = opt.TIER_OPT,
     top_k: int = opt.TOP_K_OPT,
     min_score: float = opt.MIN_SCORE_OPT,
+    importance: str = opt.IMPORTANCE_OPT,
+    importance_weights: Path | None = opt.IMPORTANCE_WEIGHTS_OPT,
     speculative: int | None = opt.SPECULATIVE_OPT,
     prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
@@ -61,18 +64,22 @@ def run(
         "max_new_tokens, request_id) run as one continuous batch; one trace each."),
     max_concurrency: int = typer.Option(8, "--max-concurrency", help="With --batch-file: sequences decoded together."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="With --batch-file: prompt tokens prefilled per step."),
+    threads: int | None = opt.THREADS_OPT,
 ) -> None:
     """Generate with a sparse KV policy and trace which tokens went in, came out and were evicted."""
     # Heavy imports (torch, transformers) stay out of CLI start-up for the other commands.
     import uuid
 
     from sparseety.cli.summary import print_summary
+    from sparseety.cli.trace_output import TRACE_WRITE_FAILED, store_run
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
-    from sparseety.store import load_trace, trace_tier, write_trace
+    from sparseety.store import trace_tier
+    from sparseety.store.dataset import check_trace_dir
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
-                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score)
+                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score,
+                       importance=importance, importance_weights=importance_weights)
     if batch_file is not None:
         from sparseety.cli.batch_run import run_batch_file
 
@@ -82,6 +89,7 @@ def run(
         if speculative is not None:
             raise InputError("--speculative cannot be combined with --batch-file: speculative decoding runs one "
                              "sequence at a time")
+        use_threads(threads, quiet=as_json)
         run_batch_file(batch_file, inputs, model=model, max_new_tokens=max_new_tokens, trace_dir=trace_dir,
                        seed=seed, as_json=as_json, no_report=no_report, redact=redact, ids_only=ids_only,
                        sample_rate=sample_rate, force_trace=force_trace, jsonl=jsonl,
@@ -90,12 +98,15 @@ def run(
     inputs.check()
     request_id = uuid.uuid4().hex  # decided first: the sample and the forced tier depend on it
     tier = trace_tier(request_id, sample_rate, tier=tier, force=force_trace)
+    if tier >= 1:
+        check_trace_dir(trace_dir)  # before the model loads: a trace that cannot be written fails at once
     sources = inputs.read_sources()
 
     lm, tokenizer = load_model(model)
-    encoded = inputs.encode(tokenizer, sources)
-    kv_policy = inputs.policy_for(encoded)
     engine = SparseEngine(lm, tokenizer, model)
+    encoded = inputs.encode(tokenizer, sources, max_positions=engine.max_positions)
+    kv_policy = inputs.policy_for(encoded)
+    use_threads(threads, quiet=as_json)
 
     stderr = Console(stderr=True)
     with Progress(console=stderr, transient=True, disable=as_json or encoded.input_len < 512) as progress, \
@@ -108,26 +119,24 @@ def run(
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
             streamer=DecodeProgress(decode), **inputs.engine_options(engine.num_layers),
         )
-    report_path = None
-    if tier >= 1:
-        result.trace_path = str(write_trace(result, trace_dir, redact=redact, ids_only=ids_only,
-                                            sample_rate=sample_rate))
-        if jsonl is not None:
-            append_jsonl(trace_dir, result.request_id, Path(jsonl))
-        if not no_report:
-            from sparseety.report import write_report
-
-            report_path = write_report(load_trace(trace_dir, result.request_id))
+    stored = store_run(result, trace_dir, redact=redact, ids_only=ids_only, sample_rate=sample_rate,
+                       jsonl=None if jsonl is None else Path(jsonl), report=not no_report)
+    report_path = stored.report_path
     if as_json:
-        sys.stdout.write(json.dumps(result.to_json()) + "\n")
+        doc = result.to_json()
+        if stored.trace_error is not None:
+            doc["trace_error"] = stored.trace_error
+        sys.stdout.write(json.dumps(doc) + "\n")
         if report_path is not None:
             stderr.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
-        return
-    console = Console()
-    console.print(result.text, markup=False, highlight=False)
-    print_summary(result, console)
-    if report_path is not None:
-        console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        console = Console()
+        console.print(result.text, markup=False, highlight=False)
+        print_summary(result, console)
+        if report_path is not None:
+            console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
+    if stored.warnings:
+        raise typer.Exit(TRACE_WRITE_FAILED)
 
 
 DECODE_STEP = 16  #: generated tokens per progress step of a long decode
@@ -151,16 +160,3 @@ class DecodeProgress:
     def end(self) -> None:
         if self.tokens % DECODE_STEP:
             self.decode.advance(f"{self.tokens} tokens, done")
-
-
-def append_jsonl(trace_dir: Path, request_id: str, path: Path) -> None:
-    """Append every stored row of one request to ``path`` (the config file's ``logging.output_file``);
-    a missing folder is created, as ``report -o`` and ``export -o`` do."""
-    from sparseety.store.export import export_jsonl
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as out:
-            export_jsonl(trace_dir, out, request_id=request_id)
-    except OSError as exc:
-        raise InputError(f"cannot write --jsonl {path}: {exc}") from None

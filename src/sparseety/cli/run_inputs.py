@@ -15,6 +15,7 @@ import typer
 
 from sparseety.errors import InputError
 from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.request_json import check_text_size
 
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput
@@ -47,7 +48,15 @@ PRUNE_OPT_OPT = typer.Option([], "--prune-opt", help="Pruning option key=value: 
 LAYERS_OPT = typer.Option("all", "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29.")
 ATTENTION_TOPK_OPT = typer.Option(
     None, "--attention-topk", help="While decoding, attend only to the k highest-scoring held slots (any policy).")
+THREADS_OPT = typer.Option(None, "--threads", help="Torch threads running the model (default: cores - 1, at least 1).")
 MIN_SCORE_OPT = typer.Option(0.0, "--min-score", help="Drop important tokens scoring below this share of the top one.")
+IMPORTANCE_OPT = typer.Option(
+    "value", "--importance", help="Important-token score: attention (α), value (α·‖v‖, attention sinks left out), "
+    "output (α·‖W_O v‖, sinks left out) or learned (learned per-head weights, see --importance-weights). "
+    "Default value: see the README's faithfulness table.")
+IMPORTANCE_WEIGHTS_OPT = typer.Option(
+    None, "--importance-weights", help="With --importance learned: head weights from `sparseety learn-importance` "
+    "(default: the weights shipped for the model).")
 
 
 def read_text(path: Path, what: str) -> str:
@@ -82,6 +91,8 @@ class RunInputs:
     layers: str = "all"
     attention_topk: int | None = None
     min_score: float = 0.0
+    importance: str = "value"  #: :data:`sparseety.extract.scoring.DEFAULT_MODE`
+    importance_weights: Path | None = None  #: ``--importance-weights`` (``learned``)
     options: dict[str, Any] = field(default_factory=dict, init=False)
 
     def check(self, *, need_source: bool = True) -> None:
@@ -110,11 +121,17 @@ class RunInputs:
         context = read_text(self.context_file, "--context-file") if self.context_file is not None else None
         return text, context
 
-    def encode(self, tokenizer: Any, sources: tuple[str | None, str | None] | None = None) -> EncodedInput:
-        """Token ids of the prompt, or of the context plus question (long-document protocol)."""
+    def encode(self, tokenizer: Any, sources: tuple[str | None, str | None] | None = None,
+               max_positions: int | None = None) -> EncodedInput:
+        """Token ids of the prompt, or of the context plus question (long-document protocol); text that
+        cannot fit in ``max_positions`` tokens is refused by its size in bytes, before tokenizing."""
         from sparseety.engine import encode_document, encode_prompt
 
         text, context = sources if sources is not None else self.read_sources()
+        what = "--context-file plus --question" if context is not None else \
+            "--prompt-file" if self.prompt_file is not None else "--prompt"
+        check_text_size(sum(len(part.encode()) for part in (text, context, self.question) if part), what,
+                        max_positions)
         if context is not None:
             return encode_document(tokenizer, context, self.question or "", self.chat)
         return encode_prompt(tokenizer, text or "", self.chat)
@@ -122,12 +139,11 @@ class RunInputs:
     def policy_for(self, encoded: EncodedInput, name: str | None = None, budget: int | None = None,
                    ratio: float | None = None) -> Policy:
         """The policy (``--policy`` unless ``name`` is given) with its budget resolved on ``encoded``."""
-        from sparseety.policies import build_policy, resolve_budget
+        from sparseety.policies import sized_policy
 
         if budget is None and ratio is None:
             budget, ratio = self.budget, self.ratio
-        resolved = resolve_budget(budget, ratio, encoded.compress_len or encoded.input_len)
-        return build_policy(name or self.policy, resolved, self.options)
+        return sized_policy(name or self.policy, budget, ratio, encoded.compress_len or encoded.input_len, self.options)
 
     def _check_sparsity_extras(self) -> None:
         from sparseety.engine.layers import parse_layers
@@ -142,6 +158,15 @@ class RunInputs:
             raise InputError(f"--attention-topk must be a positive number of slots, got {self.attention_topk}")
         if not 0.0 <= self.min_score < 1.0:
             raise InputError(f"--min-score must be in [0, 1), got {self.min_score}")
+        from sparseety.extract.head_weights import read_head_weights
+        from sparseety.extract.scoring import MODES
+
+        if self.importance not in MODES:
+            raise InputError(f"--importance must be one of {', '.join(MODES)}, got {self.importance!r}")
+        if self.importance_weights is not None:
+            if self.importance != "learned":
+                raise InputError(f"--importance-weights needs --importance learned (got --importance {self.importance})")
+            read_head_weights(self.importance_weights)  # a damaged file is refused before the model loads
 
     def prune_for(self, num_layers: int = 30) -> PruneSchedule | None:
         """The pruning schedule (``default`` resolved against ``num_layers``), or None."""
@@ -154,4 +179,5 @@ class RunInputs:
     def engine_options(self, num_layers: int) -> dict[str, Any]:
         """Keyword arguments of ``SparseEngine.generate`` these flags set beside the policy."""
         return {"prune": self.prune_for(num_layers), "layers": self.layers, "attention_topk": self.attention_topk,
-                "min_score": self.min_score}
+                "min_score": self.min_score, "importance": self.importance,
+                "importance_weights": self.importance_weights}

@@ -53,11 +53,18 @@ def serve(
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
     attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
     layers: str = opt.LAYERS_OPT,
+    importance: str = opt.IMPORTANCE_OPT,
+    importance_weights: Path | None = opt.IMPORTANCE_WEIGHTS_OPT,
+    sql_timeout: float = typer.Option(10.0, "--sql-timeout", help="Seconds a trace endpoint's read may run (else 503)."),
+    sql_memory_limit: str = typer.Option("512MiB", "--sql-memory-limit", help="Memory DuckDB may use per trace "
+                                         "endpoint read (no spilling to disk)."),
+    sql_threads: int = typer.Option(1, "--sql-threads", help="DuckDB threads per trace endpoint read."),
 ) -> None:
     """Serve a model behind the OpenAI API with a sparse KV policy, Prometheus /metrics and sampled tracing."""
     from sparseety.errors import ConfigError
     from sparseety.policies import parse_policy_opts
     from sparseety.serve import ServeConfig
+    from sparseety.units import parse_size
 
     if trace_dir is None and (sample_rate is not None or redact or ids_only):
         raise ConfigError("--sample-rate, --redact and --ids-only apply to stored traces: give --trace-dir too")
@@ -67,22 +74,29 @@ def serve(
         policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir,
         sample_rate=0.05 if sample_rate is None else sample_rate, tier=tier,
         top_k=top_k, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
-        kv_memory_limit=kv_memory_limit, prefill_chunk=prefill_chunk, threads=threads,
+        kv_memory_limit=None if kv_memory_limit is None else parse_size(kv_memory_limit, "--kv-memory-limit"),
+        prefill_chunk=prefill_chunk, threads=threads,
         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, redact=redact, ids_only=ids_only,
         otlp_endpoint=otlp_endpoint, prune_schedule=prune_schedule,
         prune_opts=parse_policy_opts(prune_opt, flag="--prune-opt"), attention_topk=attention_topk, layers=layers,
+        importance=importance, importance_weights=importance_weights,
+        sql_timeout=sql_timeout, sql_memory_limit=sql_memory_limit, sql_threads=sql_threads,
     )
-    import uvicorn
-
     from sparseety.serve import create_app
+    from sparseety.serve.shutdown import interrupt_on_sigterm, serve_until_stopped
 
     import torch
 
     torch.set_num_threads(serve_config.torch_threads())
-    server_app = create_app(serve_config)
+    try:
+        with interrupt_on_sigterm():
+            server_app = create_app(serve_config)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM while the model loads: stop quietly
+        print("sparseety serve: stopped while loading the model", file=sys.stderr, flush=True)
+        return
     limit = serve_config.kv_memory_limit
     print(f"sparseety serve: {model} on http://{host}:{port} (policy {policy}, batch of up to "
           f"{serve_config.max_concurrency} sequences, KV limit {'none' if limit is None else f'{limit} bytes'}, "
           f"{serve_config.torch_threads()} torch thread(s), tracing {'to ' + str(trace_dir) if trace_dir else 'off'})",
           file=sys.stderr, flush=True)
-    uvicorn.run(server_app, host=host, port=port, log_level=log_level)
+    serve_until_stopped(server_app, host=host, port=port, log_level=log_level)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparseety.cli.app import app, user_errors
-from sparseety.cli.query_cmd import TRACE_DIR_HELP
+from sparseety.cli.query_cmd import SQL_MEMORY_OPT, SQL_THREADS_OPT, SQL_TIMEOUT_OPT, TRACE_DIR_HELP, sql_limits
 from sparseety.errors import InputError
 
 traces_app = typer.Typer(help="Look at stored requests.", no_args_is_help=True)
@@ -27,13 +27,16 @@ def list_command(
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help=TRACE_DIR_HELP),
     limit: int = typer.Option(20, "--limit", help="Newest requests to list."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    sql_timeout: float | None = SQL_TIMEOUT_OPT,
+    sql_memory_limit: str | None = SQL_MEMORY_OPT,
+    sql_threads: int | None = SQL_THREADS_OPT,
 ) -> None:
     """The newest requests, newest first."""
     from sparseety.store import list_traces
 
     if limit <= 0:
         raise InputError(f"--limit must be positive, got {limit}")
-    rows = list_traces(trace_dir, limit)
+    rows = list_traces(trace_dir, limit, limits=sql_limits(sql_timeout, sql_memory_limit, sql_threads))
     if as_json:
         for row in rows:
             sys.stdout.write(json.dumps(row) + "\n")
@@ -54,11 +57,14 @@ def show_command(
     request_id: str = typer.Argument(..., help="Request id (see `sparseety traces list`)."),
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help=TRACE_DIR_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the stored document as one JSON object."),
+    sql_timeout: float | None = SQL_TIMEOUT_OPT,
+    sql_memory_limit: str | None = SQL_MEMORY_OPT,
+    sql_threads: int | None = SQL_THREADS_OPT,
 ) -> None:
     """One request: what went in, what came out, what was evicted, which tokens mattered."""
     from sparseety.store import load_trace
 
-    trace = load_trace(trace_dir, request_id)
+    trace = load_trace(trace_dir, request_id, limits=sql_limits(sql_timeout, sql_memory_limit, sql_threads))
     doc = trace.document
     if as_json:
         payload = {**doc, "arrays": {name: list(array.shape) for name, array in trace.arrays.items()}}

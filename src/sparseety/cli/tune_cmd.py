@@ -52,6 +52,7 @@ def tune_cmd(
                                 "re-evaluating its budgets."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr (as with --json)."),
     as_json: bool = opt.JSON_OPT,
+    threads: int | None = opt.THREADS_OPT,
 ) -> None:
     """Bisect the budget: evaluate the policy at a few budgets and print the curve and the smallest one that meets the bar."""
     from sparseety.analysis.tune import TunePoint, TuneResult, check_metric, check_tunable, tune_fidelity, tune_passkey
@@ -60,6 +61,7 @@ def tune_cmd(
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
     from sparseety.models import load_model
+    from sparseety.threads import use_threads
 
     check_metric(metric, threshold)
     if policy is None:
@@ -67,8 +69,6 @@ def tune_cmd(
     check_tunable(policy)
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt,
                        prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
-    if max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     for flag, value in (("--min-budget", min_budget), ("--max-budget", max_budget), ("--step", step)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
@@ -96,6 +96,7 @@ def tune_cmd(
     known = {int(p["budget"]): float(p["value"]) for p in before["curve"]} if before else None
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
+    use_threads(threads, quiet=quiet or as_json)
     with ExitStack() as stack:
         progress: list[Steps] = []
 

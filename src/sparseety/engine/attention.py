@@ -327,4 +327,35 @@ def attend_split(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, 
     return torch.cat(outputs, dim=2)
 
 
+def attach_hidden_hooks(model: torch.nn.Module) -> int:
+    """Register, once, a read-only forward pre-hook on every attention module (``*.self_attn`` with a
+    ``layer_idx``) that hands the hidden states entering it ``[b, q, D]`` to the active run's context,
+    only when its policy reads them (:attr:`Policy.needs_hidden`); a packed forward's rows are split per
+    sequence. Returns the number of hooks registered."""
+    count = 0
+    for name, module in model.named_modules():
+        if name.endswith("self_attn") and isinstance(getattr(module, "layer_idx", None), int):
+            module.register_forward_pre_hook(_hidden_hook, with_kwargs=True)
+            count += 1
+    return count
+
+
+def _hidden_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    packed = active_packed()
+    ctx = active_context() if packed is None else None
+    if ctx is None and packed is None:
+        return
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(hidden, torch.Tensor):
+        return
+    layer = module.layer_idx
+    if packed is not None:
+        for segment in packed.segments:
+            if segment.ctx.wants_hidden:
+                isolated(segment.ctx, segment.ctx.take_hidden, layer,
+                         hidden[:, segment.start : segment.start + segment.length])
+    elif ctx is not None and ctx.wants_hidden:
+        ctx.take_hidden(layer, hidden)
+
+
 AttentionInterface.register(ATTENTION_NAME, sparseety_attention)

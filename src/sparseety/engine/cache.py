@@ -2,8 +2,9 @@
 
 Each layer holds keys/values in a preallocated buffer ``[b, kv_heads, capacity, d]`` (RoPE already
 applied, so a kept key stays valid at its original position) of which the first ``slots`` are live,
-the original token position of every live slot ``[b, kv_heads, slots]``, and an optional per-slot
-policy accumulator. New tokens are written after the live slots (no copy of the cache per step).
+the original token position of every live slot ``[b, kv_heads, slots]``, an optional per-slot
+policy accumulator, and optional per-slot value norms (``--importance value|output``: computed once,
+when a value is written, by :attr:`SparseLayer.norm_fn`; they move with their slots). New tokens are written after the live slots (no copy of the cache per step).
 A small eviction (a decode step) moves the newest survivors into the freed slots, so only the slots
 that changed are copied; a large one (the end of a prefill) gathers the kept slots into a buffer
 sized to them, so the memory really shrinks. Slots are therefore *not* always in position order:
@@ -19,6 +20,8 @@ It reports the number of tokens *seen* from ``get_seq_length`` (not the slots it
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -50,6 +53,9 @@ class SparseLayer(DynamicLayer):
         self._slots = 0
         self._incoming: tuple[torch.Tensor, int] | None = None
         self.regions: HeadRegions | None = None  #: a split layer: its heads' own slots (then the buffers above are None)
+        #: values ``[b, kv_heads, q, d]`` -> norms ``[b, kv_heads, q, g]`` (importance scoring), or None
+        self.norm_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._norm: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, g]`` float32, with ``norm_fn``
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -60,6 +66,13 @@ class SparseLayer(DynamicLayer):
         if self.regions is not None:
             return self.regions.pos
         return None if self._pos is None else self._pos[..., : self._slots]
+
+    @property
+    def norms(self) -> torch.Tensor | None:
+        """``[b, kv_heads, slots, g]`` the live slots' value norms (a split layer: ``[1, 1, capacity, g]``), or None."""
+        if self.regions is not None:
+            return self.regions.norm
+        return None if self._norm is None else self._norm[:, :, : self._slots]
 
     @property
     def state(self) -> torch.Tensor | None:
@@ -83,7 +96,7 @@ class SparseLayer(DynamicLayer):
 
     def _slot_buffers(self) -> tuple[torch.Tensor, ...]:
         """Every buffer indexed ``[b, kv_heads, slot, ...]`` (keys, values, positions, and the state if held)."""
-        return tuple(x for x in (self._k, self._v, self._pos, self._state) if x is not None)
+        return tuple(x for x in (self._k, self._v, self._pos, self._state, self._norm) if x is not None)
 
     def _views(self) -> None:
         assert self._k is not None and self._v is not None
@@ -98,10 +111,13 @@ class SparseLayer(DynamicLayer):
         k_new, v_new = self._k.new_empty(b, h, capacity, d), self._v.new_empty(b, h, capacity, d)
         pos_new = self._pos.new_zeros(b, h, capacity)
         state_new = None if self._state is None else self._state.new_zeros(b, h, capacity)
+        norm_new = None if self._norm is None else self._norm.new_zeros(b, h, capacity, self._norm.shape[-1])
         if keep is None:
             k_new[:, :, :n], v_new[:, :, :n], pos_new[..., :n] = self.keys, self.values, self.positions
             if state_new is not None:
                 state_new[..., :n] = self.state
+            if norm_new is not None:
+                norm_new[:, :, :n] = self.norms
         else:
             index = keep.unsqueeze(-1).expand(b, h, n, d)
             torch.gather(self.keys, 2, index, out=k_new[:, :, :n])
@@ -109,7 +125,11 @@ class SparseLayer(DynamicLayer):
             pos_new[..., :n] = self.positions.gather(-1, keep)
             if state_new is not None:
                 state_new[..., :n] = self.state.gather(-1, keep)
+            if norm_new is not None:
+                norms = self.norms
+                norm_new[:, :, :n] = norms.gather(2, keep.unsqueeze(-1).expand(b, h, n, norms.shape[-1]))
         self._k, self._v, self._pos, self._state, self._slots = k_new, v_new, pos_new, state_new, n
+        self._norm = norm_new
         self._views()
 
     def capacity(self) -> int:
@@ -133,7 +153,8 @@ class SparseLayer(DynamicLayer):
         if self.regions is not None:  # a split layer: each head's new rows after its own live slots
             if self._incoming is not None:
                 raise RuntimeError("a layer split per head takes no pruned rows")
-            self.regions.append(key_states, value_states, self.seen)
+            self.regions.append(key_states, value_states, self.seen,
+                                None if self.norm_fn is None else self.norm_fn(value_states))
             self.seen += q
             return key_states, value_states  # attention reads each head's own slots
         if self._k is None:
@@ -142,6 +163,9 @@ class SparseLayer(DynamicLayer):
             self._v = value_states.new_empty(b, h, q + GROW_SLOTS, d)
             self._pos = torch.zeros(b, h, q + GROW_SLOTS, dtype=torch.long, device=key_states.device)
             self.is_initialized = True
+            if self.norm_fn is not None:
+                first = self.norm_fn(value_states)
+                self._norm = first.new_zeros(b, h, q + GROW_SLOTS, first.shape[-1])
         elif self._slots + q > self.capacity():
             self._reallocate(self._slots + q + GROW_SLOTS)
         assert self._k is not None and self._v is not None and self._pos is not None
@@ -161,6 +185,8 @@ class SparseLayer(DynamicLayer):
             self._pos[..., start:end] = torch.arange(self.seen, self.seen + q, device=key_states.device)
         if self._state is not None:
             self._state[..., start:end] = 0
+        if self._norm is not None and self.norm_fn is not None:
+            self._norm[:, :, start:end] = self.norm_fn(value_states)
         self._slots = end
         self.seen += fed
         self._views()
@@ -268,10 +294,10 @@ class SparseLayer(DynamicLayer):
             dropped = torch.ones(n, dtype=torch.bool, device=slots.device).index_fill_(0, slots, False)
             where = dropped.nonzero(as_tuple=True)[0].view(1, 1, -1)
             evicted.append((where, positions[:, i : i + 1].gather(-1, where)))
-        state = self.state
+        state, norms = self.state, self.norms
         self.regions = HeadRegions(self.keys[0], self.values[0], positions[0], None if state is None else state[0],
-                                   keep, budgets)
-        self._k = self._v = self._pos = self._state = None
+                                   keep, budgets, None if norms is None else norms[0])
+        self._k = self._v = self._pos = self._state = self._norm = None
         self._slots = 0
         self.keys = self.values = None  # read each head's through ``regions``
         return evicted
@@ -356,7 +382,7 @@ class SparseLayer(DynamicLayer):
         self.seen = cutoff
 
     def reset(self) -> None:
-        self._k = self._v = self._pos = self._state = None
+        self._k = self._v = self._pos = self._state = self._norm = None
         self._slots = 0
         self.regions = None
         super().reset()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -23,6 +24,7 @@ from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
 from sparseety.engine.window import window_edge
+from sparseety.extract.scoring import FEATURES, ImportanceMode, score_row, slot_norms, weight_heads
 from sparseety.policies.base import (
     Observation,
     Policy,
@@ -74,6 +76,7 @@ class LayerSignals:
     values: torch.Tensor | None = None  #: ``[b, kv_heads, n, d]`` the layer's cached values
     rotary: torch.Tensor | None = None  #: ``[rotary_dim // 2]`` RoPE inverse frequencies, with ``queries``
     reconstruction: torch.Tensor | None = None  #: ``[b, kv_heads, chunk]`` kvzip scores of the chunk's slots (its pass only)
+    hidden: torch.Tensor | None = None  #: ``[b, r, hidden_size]`` attention-input hidden states (:attr:`Policy.needs_hidden`)
 
 
 @dataclass(frozen=True)
@@ -177,9 +180,24 @@ class RunContext:
     allocated_budgets: dict[int, int] = field(default_factory=dict)  #: per layer, budgets a reconstruction allocated
     _token_ids: torch.Tensor | None = None  #: ``[b, seen]`` ids fed so far, kept only for policies that need them
     failure: BaseException | None = None  #: this sequence failed inside a packed forward; it leaves the batch alone
+    importance_mode: ImportanceMode = "attention"  #: what importance records (:mod:`sparseety.extract.scoring`)
+    out_grams: list[torch.Tensor] | None = None  #: ``output`` mode: per layer ``[kv_heads, g, d, d]`` W_O Gram matrices
+    attention_importance: torch.Tensor | None = None  #: ``value``/``output``: ``[layers, positions]`` plain attention too
+    head_weights: torch.Tensor | None = None  #: ``learned``: ``[layers, heads]`` weights of each head's score
+    _hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, this forward's ``[b, q, D]`` hidden states
+    _carried_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, earlier chunks' hidden states
+    thresholded: bool = False  #: the policy chose its kept counts by threshold (:meth:`Policy.keep_count`)
 
     def __post_init__(self) -> None:
         self.recorded_layers = self.layers.fixed(self.num_layers) if self.tier >= 2 else ()
+        if self.importance_mode not in FEATURES:
+            raise ValueError(f"importance_mode must be one of {', '.join(FEATURES)}, got {self.importance_mode!r}")
+        if self.importance_mode != "attention" and self.tier >= 2:  # norms are written with each value
+            if self.importance_mode == "output" and (self.out_grams is None or len(self.out_grams) != self.num_layers):
+                raise ValueError("importance 'output' needs the output projection's Gram matrices of every layer")
+            for layer, cache_layer in enumerate(self.cache.layers):
+                grams = None if self.out_grams is None else self.out_grams[layer]
+                cache_layer.norm_fn = functools.partial(slot_norms, mode=self.importance_mode, grams=grams)
 
     # -- forward lifecycle (called by model hooks) -------------------------------------------------
     def begin_forward(self, q_len: int, input_ids: torch.Tensor | None = None) -> None:
@@ -251,6 +269,19 @@ class RunContext:
         ids = rows.gather(1, where.reshape(b, -1).clamp(0, max(0, held.shape[1] - 1))).reshape(where.shape)
         return torch.where(where < held.shape[1], ids, -1).to(positions.device)
 
+    @property
+    def wants_hidden(self) -> bool:
+        """True when this forward must hand the policy each layer's attention-input hidden states."""
+        return self.policy.needs_hidden and (self.evicting or self.carrying) and self.reconstruction is None
+
+    def take_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """Keep layer ``layer``'s attention-input hidden states ``[b, q, D]`` of this forward for the policy."""
+        self._hidden[layer] = hidden
+
+    def kept_fraction(self) -> np.ndarray:
+        """``[layers]`` float32: slots held per KV head over tokens seen, now."""
+        return np.asarray([layer.num_slots() / max(1, layer.seen) for layer in self.cache.layers], dtype=np.float32)
+
     def draft_outcomes(self, sequence: list[int]) -> dict[str, np.ndarray]:
         """Per drafted token: ``drafted.{step,position,token_id,rejected}`` given the final ``sequence``.
 
@@ -292,8 +323,9 @@ class RunContext:
         chosen = max(sorted(self.layer_mass), key=lambda layer: self.layer_mass[layer])
         self.recorded_layers = (chosen,)
         others = [layer for layer in range(self.num_layers) if layer != chosen]
-        if self.importance is not None:
-            self.importance[others] = 0
+        for total in (self.importance, self.attention_importance):
+            if total is not None:
+                total[others] = 0
         for vector in self.step_vectors:
             vector[others] = 0
 
@@ -401,11 +433,21 @@ class RunContext:
         cache_layer = self.cache.layers[layer]
         positions = cache_layer.positions
         assert positions is not None
+        hidden = self._hidden.pop(layer, None)
         if self.carrying:  # an earlier prefill chunk: keep its signals for the chunk that completes the prefill
             self._carry(layer, seen)
+            if hidden is not None:
+                carried = self._carried_hidden.get(layer)
+                self._carried_hidden[layer] = hidden if carried is None else torch.cat([carried, hidden], dim=1)
             return
         if seen.last_row is not None and self.records(layer):
-            self._record_importance(layer, positions[0], group_mean(seen.last_row, self.kv_heads)[0])
+            attention = group_mean(seen.last_row, self.kv_heads)[0]
+            if self.importance_mode == "attention" and self.head_weights is None:
+                self._record_importance(layer, positions[0], attention)
+            else:
+                weights = None if self.head_weights is None else self.head_weights[layer]
+                scored = score_row(weight_heads(seen.last_row, weights), cache_layer.norms, self.kv_heads)[0]
+                self._record_importance(layer, positions[0], scored, attention)
             if self.recorded_layers is None and self.choosing_layer:
                 self.layer_mass[layer] = topk_mass(seen.last_row, self.auto_k)
         if seen.attended is not None and self.tier >= 1:
@@ -413,10 +455,15 @@ class RunContext:
         if not self.evicting:
             return
         self._add_carried(layer, seen)
+        carried = self._carried_hidden.pop(layer, None)
+        seen.hidden = hidden if carried is None or hidden is None else torch.cat([carried, hidden], dim=1)
         scores = self._score(layer, cache_layer, key, seen, self.kv_heads)
-        if self.will_evict(layer, positions.shape[-1]):
-            budget = self.layer_budget(layer)
-            assert budget is not None
+        budget = self.layer_budget(layer)
+        keep = self.policy.keep_count(scores)  # a threshold policy's own count, under its cap
+        if keep is not None:
+            self.thresholded = True
+            budget = keep if budget is None else min(budget, keep)
+        if budget is not None and positions.shape[-1] > budget:
             self._evict(layer, self._eviction_order(hidden_first(scores, cache_layer), cache_layer), budget, self.step)
 
     def observe_split(self, layer: int, signal: torch.Tensor | None) -> None:
@@ -429,7 +476,17 @@ class RunContext:
         regions = cache_layer.regions
         assert regions is not None
         if signal is not None and self.records(layer):
-            self._record_importance(layer, regions.live_values(regions.pos), regions.live_values(signal))
+            where, attention = regions.live_values(regions.pos), regions.live_values(signal)
+            if (self.importance_mode == "attention" or regions.norm is None) and self.head_weights is None:
+                self._record_importance(layer, where, attention)
+            else:  # the signal is already each KV group's mean: ``output`` (and ``learned``) use group means here
+                scored = attention
+                if regions.norm is not None:
+                    scored = scored * regions.live_values(regions.norm.mean(dim=-1))
+                if self.head_weights is not None:
+                    group = self.head_weights[layer].view(self.kv_heads, -1).mean(dim=-1)
+                    scored = scored * regions.live_values(group.to(regions.owner.device)[regions.owner])
+                self._record_importance(layer, where, scored, attention)
         if not self.evicting:
             return
         scores = self._score(layer, cache_layer, regions.k, LayerSignals(last_row=signal), 1)
@@ -460,6 +517,7 @@ class RunContext:
             state=cache_layer.state, seed=self.seed,
             queries=seen.queries, values=seen.values, rotary=seen.rotary,
             token_ids=self.slot_token_ids(positions) if self.policy.needs_token_ids else None,
+            hidden=seen.hidden,
         )
         scores, cache_layer.state = self.policy.score(obs)
         return scores
@@ -569,22 +627,46 @@ class RunContext:
         if seen.queries is not None:
             seen.queries = _joined(queries, seen.queries, rows=True)
 
-    def _record_importance(self, layer: int, positions: torch.Tensor, per_slot: torch.Tensor) -> None:
-        """Add the newest row's attention to layer ``layer``'s importance: ``per_slot`` (any shape, the KV
-        groups' mean) the attention each slot at ``positions`` (same shape) received."""
-        per_slot = per_slot.float()
+    def _record_importance(self, layer: int, positions: torch.Tensor, per_slot: torch.Tensor,
+                           attention: torch.Tensor | None = None) -> None:
+        """Add the newest row's score to layer ``layer``'s importance: ``per_slot`` (any shape, the KV
+        groups' mean) the score each slot at ``positions`` (same shape) got; ``attention`` (same shape, not
+        in ``attention`` mode) the plain attention, kept for the sink rule."""
         seen = self.cache.layers[layer].seen
-        if self.importance is None or self.importance.shape[1] < seen:
-            grown = torch.zeros(self.num_layers, max(seen, 2 * (0 if self.importance is None else self.importance.shape[1])))
-            if self.importance is not None:
-                grown[:, : self.importance.shape[1]] = self.importance
-            self.importance = grown
+        if attention is None:
+            self.importance, vector = self._accumulate(self.importance, layer, seen, positions, per_slot)
+        else:  # both rows in one scatter and one copy to the CPU
+            both = torch.stack([per_slot.float().reshape(-1), attention.float().reshape(-1)]).cpu()
+            where = positions.reshape(-1).cpu()
+            vectors = torch.zeros(2, seen, dtype=torch.float32).scatter_add_(1, where.expand(2, -1), both)
+            vectors /= self.kv_heads
+            self.importance = self._grown(self.importance, seen)
+            self.attention_importance = self._grown(self.attention_importance, seen)
+            self.importance[layer, :seen] += vectors[0]
+            self.attention_importance[layer, :seen] += vectors[1]
+            vector = vectors[0]
+        if self.tier >= 3:
+            self.step_vectors[-1][layer, :seen] = vector.to(torch.float16)
+
+    def _grown(self, total: torch.Tensor | None, seen: int) -> torch.Tensor:
+        """``total`` ``[layers, >= seen]``, reallocated (doubling) when shorter."""
+        if total is None or total.shape[1] < seen:
+            grown = torch.zeros(self.num_layers, max(seen, 2 * (0 if total is None else total.shape[1])))
+            if total is not None:
+                grown[:, : total.shape[1]] = total
+            total = grown
+        return total
+
+    def _accumulate(self, total: torch.Tensor | None, layer: int, seen: int, positions: torch.Tensor,
+                    per_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``total`` ``[layers, >= seen]`` (grown as needed) plus this row's ``[seen]`` vector, and the vector."""
+        per_slot = per_slot.float()
+        total = self._grown(total, seen)
         vector = torch.zeros(seen, dtype=torch.float32)
         vector.scatter_add_(0, positions.reshape(-1).cpu(), per_slot.reshape(-1).cpu())
         vector /= self.kv_heads
-        self.importance[layer, :seen] += vector
-        if self.tier >= 3:
-            self.step_vectors[-1][layer, :seen] = vector.to(torch.float16)
+        total[layer, :seen] += vector
+        return total, vector
 
     def _record_skips(self, layer: int, positions: torch.Tensor, attended: torch.Tensor, skipped: int) -> None:
         self.skipped_count += skipped

@@ -20,11 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparseety.engine.attention import ATTENTION_NAME
+from sparseety.engine.attention import ATTENTION_NAME, attach_hidden_hooks
 from sparseety.engine.batch import BatchEngine, _eos_ids, generate_batch
 from sparseety.engine.cache import SparseCache
 from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
+from sparseety.extract.head_weights import HeadWeights, resolve_head_weights
+from sparseety.extract.scoring import find_sinks, output_grams
 from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.layers import LayerSelection, parse_layers
 from sparseety.engine.packed import SplitProbes, active_packed, isolated
@@ -63,6 +65,8 @@ class SparseEngine:
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self.windows: tuple[int | None, ...] = layer_windows(config)  #: per layer: sliding window, None if global
+        self._grams: list[torch.Tensor] | None = None
+        self._shipped_weights: HeadWeights | None = None
         model.set_attn_implementation(ATTENTION_NAME)
         _install_hooks(model)
 
@@ -95,6 +99,8 @@ class SparseEngine:
         attention_topk: int | None = None,
         layers: str | Sequence[int] | LayerSelection | None = None,
         min_score: float = 0.0,
+        importance: str = "attention",
+        importance_weights: Any = None,
     ) -> RunResult:
         """Generate greedily and record the token lifecycle.
 
@@ -115,15 +121,21 @@ class SparseEngine:
         min_score : important-token records scoring below this share of their ranking's maximum are dropped.
         attention_topk : while decoding, attend only to this many highest-scoring held slots per KV head,
             under any evicting policy (``topk_attention`` is this with no eviction).
+        importance : what importance records: ``attention``, ``value``, ``output`` or ``learned``
+            (:mod:`sparseety.extract.scoring`).
+        importance_weights : ``learned``: a :class:`~sparseety.extract.head_weights.HeadWeights` or its file
+            (None: the weights shipped for this model).
         """
         options = GenerationOptions(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, prune=prune,
-                                    attention_topk=attention_topk, layers=layers, min_score=min_score)
+                                    attention_topk=attention_topk, layers=layers, min_score=min_score,
+                                    importance=importance, importance_weights=importance_weights)
         if speculative is not None:
             self._check_speculative(speculative, encoded, policy)
         self.check_request(encoded, policy, options)
         input_ids = encoded.input_ids
         with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer,
-                           prune=prune, layers=layers, top_k=top_k, attention_topk=attention_topk) as ctx:
+                           prune=prune, layers=layers, top_k=top_k, attention_topk=attention_topk,
+                           importance=importance, importance_weights=importance_weights) as ctx:
             if encoded.compress_len is not None:  # the context is prefilled (and compressed) on its own
                 self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
                 self.reconstruct(ctx, encoded)
@@ -246,6 +258,8 @@ class SparseEngine:
                     on_prefill_layer: Callable[[int, int], None] | None = None) -> RunContext:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``) for one request."""
         policy.bind(self.model_info)
+        head = self.head_weights(options.importance_weights) if options.importance == "learned" else None
+        feature = options.importance if head is None else head.feature
         return RunContext(
             policy=policy, cache=SparseCache(self.num_layers, self.windows), num_layers=self.num_layers,
             kv_heads=self.kv_heads, tier=options.tier, input_len=encoded.input_len,
@@ -255,7 +269,32 @@ class SparseEngine:
             prune=PruneRun(options.prune, self.num_layers) if options.prune is not None else None,
             layers=parse_layers(options.layers, self.num_layers), auto_k=options.top_k,
             attention_topk=options.attention_topk,
+            importance_mode=feature,  # type: ignore[arg-type]
+            out_grams=self.output_grams() if feature == "output" and options.tier >= 2 else None,
+            head_weights=None if head is None else head.weights,
         )
+
+    def head_weights(self, weights: Any = None) -> HeadWeights:
+        """``--importance learned``'s weights (a file or :class:`HeadWeights`; None: the shipped ones),
+        checked against this model's fingerprint and shape."""
+        if weights is None:
+            if self._shipped_weights is None:
+                self._shipped_weights = resolve_head_weights(None, self.model_name, self.model_info.fingerprint(),
+                                                             self.num_layers, self.num_heads)
+            return self._shipped_weights
+        return resolve_head_weights(weights, self.model_name, self.model_info.fingerprint(), self.num_layers,
+                                    self.num_heads)
+
+    def output_grams(self) -> list[torch.Tensor]:
+        """Per layer, ``[kv_heads, g, d, d]`` Gram matrices of its attention output projection (``output`` importance)."""
+        if self._grams is None:
+            modules = sorted((m for m in self.model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")),
+                             key=lambda m: m.layer_idx)
+            if len(modules) != self.num_layers:
+                raise InputError(f"importance 'output' needs an o_proj in each of the {self.num_layers} attention "
+                                 f"layers; found {len(modules)}")
+            self._grams = [output_grams(m.o_proj.weight, self.num_heads, self.kv_heads) for m in modules]
+        return self._grams
 
     @contextlib.contextmanager
     def open_run(
@@ -270,6 +309,8 @@ class SparseEngine:
         attention_topk: int | None = None,
         layers: str | Sequence[int] | LayerSelection | None = None,
         top_k: int = 16,
+        importance: str = "attention",
+        importance_weights: Any = None,
     ) -> Iterator[RunContext]:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``), active inside the block.
 
@@ -282,7 +323,7 @@ class SparseEngine:
         self._check_topk(policy, attention_topk)
         torch.manual_seed(seed)
         options = GenerationOptions(tier=tier, top_k=top_k, seed=seed, prune=prune, attention_topk=attention_topk,
-                                    layers=layers)
+                                    layers=layers, importance=importance, importance_weights=importance_weights)
         ctx = self.new_context(encoded, policy, options, on_prefill_layer)
         with activate(ctx), torch.inference_mode():
             yield ctx
@@ -316,6 +357,20 @@ class SparseEngine:
         if policy.evicts and smallest is not None and speculative >= smallest:
             raise InputError(f"speculative ({speculative}) must be smaller than the smallest layer budget ({smallest})")
 
+    def _provenance(self, ctx: RunContext, policy: Policy, tier: int, top_k: int,
+                    recorded: list[int] | None) -> dict[str, Any]:
+        """The trace's provenance; a ``value``/``output`` run names its importance mode in ``extraction``."""
+        made = provenance(self.model, self.model_name, policy, tier, top_k, layers=ctx.layers.text(),
+                          recorded_layers=recorded, prune=ctx.prune.schedule.params() if ctx.prune is not None else None)
+        if ctx.head_weights is not None:
+            made["extraction"] = {**made["extraction"], "importance": "learned", "importance_feature": ctx.importance_mode,
+                                  "signal": f"learned head weights x {ctx.importance_mode}-weighted attention "
+                                            "received while generating"}
+        elif ctx.importance_mode != "attention":
+            made["extraction"] = {**made["extraction"], "importance": ctx.importance_mode,
+                                  "signal": f"{ctx.importance_mode}-weighted attention received while generating"}
+        return made
+
     def build_result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
                 tier: int, top_k: int, request_id: str | None, min_score: float = 0.0) -> RunResult:
         prompt_ids = encoded.input_ids[0].tolist()
@@ -338,6 +393,8 @@ class SparseEngine:
                     arrays.update({f"{name}.{k}": v for k, v in log.to_arrays(token_ids).items()})
             if ctx.prune is not None:
                 arrays.update(ctx.prune.to_arrays(token_ids))
+            if ctx.thresholded:  # a threshold policy: how much of each layer it kept (``[layers]``)
+                arrays["kept_fraction"] = ctx.kept_fraction()
         recorded = list(ctx.recorded_layers or ()) if tier >= 2 else None
         if tier >= 2:
             kept = {
@@ -348,8 +405,12 @@ class SparseEngine:
                 importance = ctx.importance[:, :seen]
                 arrays["importance"] = importance.numpy().astype(np.float16)
                 special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
+                sinks: list[int] = []
+                if ctx.attention_importance is not None:  # value/output: sinks marked, left out of the rankings
+                    sinks = find_sinks(ctx.attention_importance[:, :seen], importance)
+                    arrays["sink.position"] = np.asarray(sinks, dtype=np.int64)
                 records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special,
-                                           layers=recorded, min_score=min_score)
+                                           layers=recorded, min_score=min_score, sinks=sinks)
             probes = ctx.probes
             if probes is not None:
                 realign = ctx.prune.expand if ctx.prune is not None else (lambda _layer, values: values)
@@ -387,9 +448,7 @@ class SparseEngine:
             decode_s=ctx.decode_s,
             important_tokens=records,
             token_texts=self.tokenizer.batch_decode([[int(i)] for i in token_ids]) if tier >= 2 else [],
-            provenance=provenance(self.model, self.model_name, policy, tier, top_k, layers=ctx.layers.text(),
-                                  recorded_layers=recorded,
-                                  prune=ctx.prune.schedule.params() if ctx.prune is not None else None),
+            provenance=self._provenance(ctx, policy, tier, top_k, recorded),
             arrays=arrays,
             pruned_tokens=(ctx.prune.pruned_positions() if ctx.prune is not None else 0) if tier >= 1 else None,
             prune=ctx.prune.schedule.params() if ctx.prune is not None else None,
@@ -461,6 +520,7 @@ def _install_hooks(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(begin, with_kwargs=True)
     model.register_forward_hook(end)
     attach_probe_hooks(model, active_probes)
+    attach_hidden_hooks(model)
     install_layer_hooks(model, active_prune)
     setattr(model, _HOOKED, True)
 

@@ -32,19 +32,23 @@ class HeadRegions:
         state ``[kv_heads, n]`` or None (the policy's accumulator).
     keep : per KV head, ``[k_i]`` the slot indices it keeps (any order).
     budgets : per KV head, the slots it keeps from then on.
+    norms : ``[kv_heads, n, g]`` the slots' value norms (importance scoring), or None; kept in :attr:`norm`
+        ``[1, 1, capacity, g]``, moving with their slots.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                 state: torch.Tensor | None, keep: list[torch.Tensor], budgets: list[int]) -> None:
+                 state: torch.Tensor | None, keep: list[torch.Tensor], budgets: list[int],
+                 norms: torch.Tensor | None = None) -> None:
         slots = [s.sort().values for s in keep]
         self.budgets = list(budgets)
         self.counts = [int(s.numel()) for s in slots]
         self._build([keys[i, s] for i, s in enumerate(slots)], [values[i, s] for i, s in enumerate(slots)],
                     [positions[i, s] for i, s in enumerate(slots)],
-                    None if state is None else [state[i, s] for i, s in enumerate(slots)], [0] * len(slots))
+                    None if state is None else [state[i, s] for i, s in enumerate(slots)], [0] * len(slots),
+                    None if norms is None else [norms[i, s] for i, s in enumerate(slots)])
 
     def _build(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[torch.Tensor],
-               state: list[torch.Tensor] | None, extra: list[int]) -> None:
+               state: list[torch.Tensor] | None, extra: list[int], norms: list[torch.Tensor] | None = None) -> None:
         """New buffers holding each head's live ``keys[i]`` ... (``[count_i, ...]``), with room for ``extra[i]`` more."""
         self.capacities = [c + x + _room(c + x) for c, x in zip(self.counts, extra)]
         self.offsets = [sum(self.capacities[:i]) for i in range(len(self.capacities))]
@@ -54,6 +58,7 @@ class HeadRegions:
         self.v = values[0].new_zeros(1, 1, total, d)
         self.pos = torch.full((1, 1, total), -1, dtype=torch.long, device=ref.device)
         self.state = None if state is None else state[0].new_zeros(1, 1, total)
+        self.norm = None if norms is None else norms[0].new_zeros(1, 1, total, norms[0].shape[-1])
         self.owner = torch.cat([torch.full((c,), i, dtype=torch.long, device=ref.device)
                                 for i, c in enumerate(self.capacities)]).view(1, 1, total)
         for i, (start, n) in enumerate(zip(self.offsets, self.counts)):
@@ -61,6 +66,8 @@ class HeadRegions:
             self.pos[0, 0, start : start + n] = positions[i]
             if self.state is not None and state is not None:
                 self.state[0, 0, start : start + n] = state[i]
+            if self.norm is not None and norms is not None:
+                self.norm[0, 0, start : start + n] = norms[i]
         self.budget_tensor = torch.tensor(self.budgets, dtype=torch.long, device=ref.device)
 
     # -- views ---------------------------------------------------------------------------------------
@@ -90,9 +97,9 @@ class HeadRegions:
         return sum(self.counts)
 
     # -- changes -----------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int, norms: torch.Tensor | None = None) -> None:
         """Write ``[1, kv_heads, q, d]`` new keys/values, positions ``first .. first + q - 1``, after each
-        head's live slots (its region grows first when full)."""
+        head's live slots (its region grows first when full); ``norms`` ``[1, kv_heads, q, g]`` with :attr:`norm`."""
         q = keys.shape[2]
         if any(n + q > c for n, c in zip(self.counts, self.capacities)):
             self._regrow(q)
@@ -102,6 +109,8 @@ class HeadRegions:
                 self.pos[0, 0, start + n] = first
                 if self.state is not None:
                     self.state[0, 0, start + n] = 0
+                if self.norm is not None and norms is not None:
+                    self.norm[0, 0, start + n] = norms[0, i, 0]
             self.counts = [n + 1 for n in self.counts]
             return
         index = torch.tensor([start + n + j for start, n in zip(self.offsets, self.counts) for j in range(q)],
@@ -111,13 +120,16 @@ class HeadRegions:
         self.pos[0, 0, index] = torch.arange(first, first + q, device=self.k.device).repeat(self.heads)
         if self.state is not None:
             self.state[0, 0, index] = 0
+        if self.norm is not None and norms is not None:
+            self.norm[0, 0, index] = norms[0].reshape(-1, norms.shape[-1])
         self.counts = [n + q for n in self.counts]
 
     def _regrow(self, q: int) -> None:
         lives = [self.live(i) for i in range(self.heads)]
         self._build([self.k[0, 0, s] for s in lives], [self.v[0, 0, s] for s in lives],
                     [self.pos[0, 0, s] for s in lives],
-                    None if self.state is None else [self.state[0, 0, s] for s in lives], [q] * self.heads)
+                    None if self.state is None else [self.state[0, 0, s] for s in lives], [q] * self.heads,
+                    None if self.norm is None else [self.norm[0, 0, s] for s in lives])
 
     def evict(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drop the row's ``slots`` ``[e]`` (live, distinct): in each region the live slots above its new
@@ -146,7 +158,7 @@ class HeadRegions:
             self.counts[head] = k
         if holes:
             src, dst = torch.tensor(movers, device=self.k.device), torch.tensor(holes, device=self.k.device)
-            for buffer in (self.k, self.v, self.pos, self.state):
+            for buffer in (self.k, self.v, self.pos, self.state, self.norm):
                 if buffer is not None:
                     buffer[0, 0, dst] = buffer[0, 0, src]
         self.pos[0, 0, torch.tensor(dead, dtype=torch.long, device=self.k.device)] = -1
@@ -171,7 +183,7 @@ class HeadRegions:
             heads.append(head)
             positions.append(int(self.pos[0, 0, hole]))
             if hole != last:
-                for buffer in (self.k, self.v, self.pos, self.state):
+                for buffer in (self.k, self.v, self.pos, self.state, self.norm):
                     if buffer is not None:
                         buffer[0, 0, hole] = buffer[0, 0, last]
             self.pos[0, 0, last] = -1

@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sparseety.engine.context import RunContext
 from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.layers import LayerSelection
 from sparseety.errors import InputError
+from sparseety.extract.scoring import MODES
 from sparseety.policies.base import Policy
 from sparseety.policies.prune import PruneSchedule
 
@@ -43,8 +45,13 @@ class GenerationOptions:
     attention_topk: int | None = None
     layers: str | Sequence[int] | LayerSelection | None = None
     min_score: float = 0.0
+    importance: str = "attention"  #: ``attention``, ``value``, ``output`` or ``learned`` (:mod:`sparseety.extract.scoring`)
+    #: ``learned``: a :class:`~sparseety.extract.head_weights.HeadWeights` or its file (None: the shipped one)
+    importance_weights: Any = None
 
     def __post_init__(self) -> None:
+        if self.importance not in MODES:
+            raise InputError(f"importance must be one of {', '.join(MODES)}, got {self.importance!r}")
         if self.tier not in (0, 1, 2, 3):
             raise InputError(f"tier must be 0, 1, 2 or 3, got {self.tier}")
         if not 0.0 <= self.min_score < 1.0:

@@ -9,11 +9,16 @@ A prompt that token pruning must see whole is prefilled in a forward of its own.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sparseety.engine.request import Request, RequestStatus
 from sparseety.errors import InputError
+
+if TYPE_CHECKING:
+    from sparseety.policies import Policy
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_BATCH = 8
@@ -21,6 +26,36 @@ DEFAULT_MAX_BATCH = 8
 
 class KVLimitError(InputError):
     """A request whose worst-case KV bytes can never fit under the engine's memory limit."""
+
+
+def kv_limit_message(who: str, needed: int, limit: int, *, prompt_len: int, max_new_tokens: int, policy: Policy,
+                     limit_name: str = "kv_memory_limit", tokens_name: str = "max_new_tokens") -> str:
+    """Why ``needed`` worst-case KV bytes do not fit under ``limit``, with the figures that would.
+
+    The bytes are proportional to the slots a layer holds at worst (the prompt plus ``max_new_tokens - 1``,
+    or an evicting policy's budget + 1 when smaller), so ``limit`` holds ``held * limit // needed`` of
+    them: the advice is a budget (and ratio of the ``prompt_len``-token prompt), a ``tokens_name`` and a
+    ``limit_name`` that fit.
+    """
+    seen = prompt_len + max_new_tokens - 1
+    given = policy.budget if policy.evicts else None
+    held = seen if given is None else min(seen, given + 1)
+    fit = held * limit // needed
+    budget = fit - 1  # a decode step appends one slot before it evicts
+    advice = []
+    if budget >= 1:
+        ratio = math.ceil((1 - budget / prompt_len) * 1000) / 1000
+        advice.append(f"{'an evicting policy with a' if given is None else 'a smaller'} budget (at most {budget} "
+                      f"slots{f', a ratio of at least {ratio}' if budget < prompt_len else ''})")
+    tokens = fit - prompt_len + 1
+    if 1 <= tokens < max_new_tokens:
+        advice.append(f"fewer {tokens_name} (at most {tokens})")
+    advice.append(f"a larger {limit_name} (at least {needed} bytes)")
+    under = "" if given is None else f" with budget {given}"
+    use = advice[0] if len(advice) == 1 else ", ".join(advice[:-1]) + " or " + advice[-1]
+    return (f"{who} needs {needed} bytes of KV cache at worst ({prompt_len} prompt tokens + {tokens_name} "
+            f"{max_new_tokens} under policy {policy.name!r}{under}: {held} slots per layer and KV head), more than "
+            f"the {limit_name} of {limit} bytes (room for {fit}); use {use}")
 
 
 @dataclass(frozen=True)
@@ -82,10 +117,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request; refuse one that could never be admitted."""
         if self.kv_memory_limit is not None and request.reserved_bytes > self.kv_memory_limit:
-            raise KVLimitError(
-                f"request {request.request_id!r} needs {request.reserved_bytes} bytes of KV cache at worst, "
-                f"more than the kv_memory_limit of {self.kv_memory_limit} bytes; lower max_tokens or use an "
-                "evicting policy with a budget")
+            raise KVLimitError(kv_limit_message(
+                f"request {request.request_id!r}", request.reserved_bytes, self.kv_memory_limit,
+                prompt_len=request.prompt_len, max_new_tokens=request.options.max_new_tokens, policy=request.policy))
         self.waiting.append(request)
 
     def admit(self) -> list[Request]:

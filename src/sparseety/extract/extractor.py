@@ -195,6 +195,11 @@ def _extract(
     n = check_alignment(x, config, total, prompt_len)
     offset = config.token_offset
     exclude = tokens.special_mask(offset, n, config.special_ids, x.device) if config.exclude_special else None
+    if config.exclude_positions:
+        at = torch.zeros(n, dtype=torch.bool, device=x.device)
+        columns = [p - offset for p in config.exclude_positions if 0 <= p - offset < n]
+        at[torch.tensor(columns, dtype=torch.long, device=x.device)] = True
+        exclude = at if exclude is None else exclude | at
     scored = token_scores(x, config, exclude, check=check)
     rows = _top(scored.scores, min(config.top_k, n), config.min_score) if n else [[]] * scored.scores.shape[0]
 

@@ -9,6 +9,12 @@ A record is one JSON object::
 the last five keys being optional. A ``.json`` file holds one record, a ``.jsonl`` file one per line.
 ``scores_path`` is resolved against a base directory (the record file's folder by default) and may not
 leave it. Score files are ``.npy`` (loaded without pickle), ``.npz`` or ``.safetensors``.
+
+An attention record may also name ``value_norms_path``: the keys' value norms, ``[kv_heads, keys]``
+(``‖v_j‖``, the ``value`` score) or ``[kv_heads, keys, g]`` (``‖W_O^h v_j‖`` for each of the group's ``g``
+query heads, the ``output`` score), or ``[keys]`` for one head. :meth:`OfflineRecord.scores_for` then
+weighs each head's attention by them with :func:`sparseety.extract.scoring.head_scores`, the engine's own
+scoring code.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparseety.config import ExtractionConfig
 from sparseety.errors import RecordError
+from sparseety.extract.scoring import head_scores
+from sparseety.extract.signals import attention_layout
 
 _REQUIRED: dict[str, tuple[type, ...]] = {
     "generation_id": (str, int),
@@ -37,6 +46,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "batch_index": (int, type(None)),
     "step": (int, type(None)),
     "request_meta": (dict, type(None)),
+    "value_norms_path": (str, type(None)),
 }
 _CONFIG_KEYS = ("score_type", "layout", "token_offset", "batch_index")
 
@@ -62,6 +72,7 @@ class OfflineRecord:
     batch_index: int | None = None
     step: int | None = None
     request_meta: dict[str, Any] | None = None
+    value_norms_path: Path | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,6 +86,46 @@ class OfflineRecord:
     def load_scores(self) -> np.ndarray | torch.Tensor:
         """The record's score tensor (see :func:`load_scores`)."""
         return load_scores(self.scores_path)
+
+    def scores_for(self, config: ExtractionConfig) -> np.ndarray | torch.Tensor:
+        """The score tensor to extract from: the attention weighed by the value norms when the record has
+        them (:func:`value_weighted`), else :meth:`load_scores`."""
+        scores = self.load_scores()
+        if self.value_norms_path is None:
+            return scores
+        if config.score_type != "attention":
+            raise RecordError(f"value_norms_path weighs attention scores; this record's score_type is "
+                              f"{config.score_type!r}")
+        return value_weighted(torch.as_tensor(scores), torch.as_tensor(load_scores(self.value_norms_path)), config)
+
+
+def value_weighted(x: torch.Tensor, norms: torch.Tensor, config: ExtractionConfig) -> torch.Tensor:
+    """Attention ``x`` (in ``config.layout``) with each head's weight of key ``j`` times the key's value norm
+    (``norms`` ``[kv_heads, keys(, g)]`` or ``[keys]``), through :func:`~sparseety.extract.scoring.head_scores`.
+
+    Raises
+    ------
+    RecordError
+        Norms of the wrong rank, key count or head count.
+    """
+    layout = attention_layout(x, config)
+    if norms.dim() == 1:
+        norms = norms[None]
+    if norms.dim() == 2:
+        norms = norms[..., None]
+    keys = x.shape[layout.index("k")]
+    heads = x.shape[layout.index("h")] if "h" in layout else 1
+    if norms.dim() != 3 or norms.shape[1] != keys or heads % norms.shape[0] or \
+            norms.shape[2] not in (1, heads // norms.shape[0]):
+        raise RecordError(f"value norms of shape {tuple(norms.shape)} do not fit attention of shape {tuple(x.shape)} "
+                          f"(layout {layout!r}): expected [kv_heads, {keys}] or [kv_heads, {keys}, g] with kv_heads "
+                          f"dividing {heads} and g = {heads} / kv_heads")
+    canon = x if "h" in layout else x.unsqueeze(-3)  # [.., heads, q, k] or [.., heads, k, q]
+    key_last = layout.endswith("qk")
+    rows = canon.transpose(-2, -3) if key_last else canon.permute(*range(canon.dim() - 3), -1, -3, -2)
+    weighted = head_scores(rows.float(), norms.float())  # [.., q, heads, k]
+    back = weighted.transpose(-2, -3) if key_last else weighted.permute(*range(weighted.dim() - 3), -2, -1, -3)
+    return back if "h" in layout else back.squeeze(-3)
 
 
 def read_records(path: str | Path, base_dir: str | Path | None = None) -> list[OfflineRecord | RecordError]:
@@ -157,6 +208,8 @@ def parse_record(data: Any, *, base_dir: Path, source: str) -> OfflineRecord:
         batch_index=data.get("batch_index"),
         step=data.get("step"),
         request_meta=data.get("request_meta"),
+        value_norms_path=None if data.get("value_norms_path") is None else
+        resolve_scores_path(data["value_norms_path"], base_dir, source),
     )
 
 

@@ -8,6 +8,7 @@ from sparseety.policies.registry import (
     parse_policy_opts,
     policy_options,
     resolve_budget,
+    sized_policy,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "policy_options",
     "resolve_budget",
     "select_keep",
+    "sized_policy",
 ]

@@ -19,6 +19,15 @@ import torch
 from sparseety.errors import ConfigError
 
 
+class BudgetTooSmall(ConfigError):
+    """A budget below the least a policy can hold; ``minimum`` is that least, ``why`` what sets it
+    (``streaming``: ``"its 4 sinks"``)."""
+
+    def __init__(self, message: str, minimum: int, why: str) -> None:
+        super().__init__(message)
+        self.minimum, self.why = minimum, why
+
+
 class Signal(enum.Enum):
     """Which attention probabilities a policy needs from the hook point.
 
@@ -62,6 +71,9 @@ class Observation:
         the model has none.
     token_ids : ``[b, kv_heads, n]`` token id of every slot (-1 where unknown), only for policies whose
         :attr:`Policy.needs_token_ids` is True; None otherwise.
+    hidden : ``[b, r, hidden_size]`` the hidden states that entered this layer's attention block for the
+        ``r`` tokens fed since the policy's previous call (a chunked prefill: every chunk's), the tokens of
+        the last ``r`` slots in order; only for policies whose :attr:`Policy.needs_hidden` is True.
     """
 
     layer: int
@@ -77,6 +89,7 @@ class Observation:
     values: torch.Tensor | None = None
     rotary: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,8 @@ class Policy:
     reconstructs: ClassVar[bool] = False
     #: True for policies that read :attr:`Observation.token_ids` (the engine fills it only for them).
     needs_token_ids: ClassVar[bool] = False
+    #: True for policies that read :attr:`Observation.hidden` (the engine captures it only for them).
+    needs_hidden: ClassVar[bool] = False
 
     budget: int | None = None
 
@@ -138,6 +153,16 @@ class Policy:
     def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         """Slots this layer may hold per KV head (None: unbounded), once ``seen`` tokens were seen."""
         return self.budget
+
+    @classmethod
+    def needs_budget(cls, options: dict[str, Any]) -> bool:
+        """True when, with ``options``, an evicting policy must be given a budget (False: a threshold policy)."""
+        return cls.evicts or cls.attends_topk
+
+    def keep_count(self, scores: torch.Tensor) -> int | None:
+        """Slots per KV head to keep after this step, chosen from the scores ``[b, kv_heads, n]`` just returned
+        by :meth:`score` (a threshold policy); None (the default): the layer budget decides."""
+        return None
 
     def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int | list[int]]:
         """Per-layer budgets once every layer's region is scored at once (a reconstructing policy's pass).

@@ -17,6 +17,7 @@ from sparseety.policies.base import (
     protect,
     recent_mask,
 )
+from sparseety.policies.value_aware import check_value_aware, value_weighted
 
 
 @dataclass
@@ -32,6 +33,9 @@ class H2OPolicy(Policy):
     estimates them from at most ``prefill_rows`` query rows spread evenly (every ``ceil(q /
     prefill_rows)``-th row counting back from the last, sums scaled by that stride). Prompts up to
     ``prefill_rows`` tokens, or ``prefill_rows=0``, get the exact H2O score.
+
+    ``value_aware=true`` is H2O w/ VATP: the accumulated score times each slot's ``‖v‖₁``, and the first
+    4 positions kept (:mod:`sparseety.policies.value_aware`).
     """
 
     name: ClassVar[str] = "h2o"
@@ -41,12 +45,14 @@ class H2OPolicy(Policy):
 
     recent_ratio: float = 0.5
     prefill_rows: int = 512
+    value_aware: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.recent_ratio, (int, float)) or not 0.0 <= self.recent_ratio < 1.0:
             raise ConfigError(f"h2o: recent_ratio must be in [0, 1), got {self.recent_ratio!r}")
         check_positive_int(self.name, "prefill_rows", self.prefill_rows, minimum=0)
+        check_value_aware(self.name, self.value_aware)
 
     def colsum_stride(self, q_len: int) -> int:
         return 1 if self.prefill_rows == 0 else max(1, -(-q_len // self.prefill_rows))
@@ -54,4 +60,5 @@ class H2OPolicy(Policy):
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = accumulated(obs)
         window = int((self.budget or 0) * self.recent_ratio)
-        return protect(state, recent_mask(obs.positions, window)), state
+        scores = value_weighted(state, obs) if self.value_aware else state
+        return protect(scores, recent_mask(obs.positions, window)), state

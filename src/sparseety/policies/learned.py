@@ -15,7 +15,7 @@ import torch
 from sparseety.errors import ConfigError
 from sparseety.policies.base import ModelInfo, Observation, Policy, Signal
 from sparseety.policies.learned_features import attention_share, feature_names, slot_features
-from sparseety.policies.learned_model import Predictor, load_predictor
+from sparseety.policies.learned_model import Predictor, check_trained_for, load_predictor, shipped_file
 
 HEAD_MODES = ("layer", "kv_head")
 
@@ -33,7 +33,8 @@ class LearnedPolicy(Policy):
 
     The file names the model it was trained for and a fingerprint of that model's config and weights;
     running it on another model, or on a model with another geometry, is refused with a
-    :class:`ConfigError`.
+    :class:`ConfigError`. Without ``model`` the predictor shipped for the run's model is used (one ships
+    for each built-in model, ``policies/weights/learned-<model>.safetensors``, picked by fingerprint).
 
     Shapes: ``positions``/``attention``/scores ``[b, kv_heads, n]``, ``keys`` ``[b, kv_heads, n, d]``.
     """
@@ -70,19 +71,23 @@ class LearnedPolicy(Policy):
         return self._predictor
 
     def bind(self, model: ModelInfo) -> None:
-        """Refuse a predictor trained for another model (by fingerprint) or with another feature set."""
+        """Use the shipped predictor of ``model`` when none was given; refuse a predictor trained for another
+        model (by fingerprint) or with another feature set."""
+        source = self.model
+        if not self.model:
+            path = shipped_file("learned-", model)
+            if path is None:
+                raise ConfigError(f"learned: no predictor file given, and none ships for model {model.name!r} "
+                                  f"(fingerprint {model.fingerprint()}); pass --policy-opt model=policy.safetensors "
+                                  "(written by `sparseety learn-policy TRACE_DIR -o policy.safetensors`)")
+            self._predictor, source = load_predictor(path), f"the shipped {path.name}"
         predictor = self.predictor
-        fingerprint = model.fingerprint()
-        if fingerprint != predictor.model_fingerprint:
-            raise ConfigError(
-                f"learned: {self.model} was trained for model {predictor.model!r} (fingerprint "
-                f"{predictor.model_fingerprint}), but this run uses model {model.name!r} (fingerprint "
-                f"{fingerprint}); train a predictor for it with `sparseety learn-policy`")
+        check_trained_for("learned", source, predictor.model, predictor.model_fingerprint, model)
         expected = feature_names(model.num_layers, model.kv_heads)
         if predictor.features != expected:
             extra = sorted(set(predictor.features) - set(expected))
             lacking = sorted(set(expected) - set(predictor.features))
-            raise ConfigError(f"learned: {self.model} has another feature set than this version computes "
+            raise ConfigError(f"learned: {source} has another feature set than this version computes "
                               f"({len(predictor.features)} features, expected {len(expected)}; unknown: "
                               f"{extra[:5] or 'none'}, missing: {lacking[:5] or 'none'})")
 

@@ -12,16 +12,20 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from sparseety.errors import ConfigError
+from sparseety.policies.base import ModelInfo
 
 FORMAT = "sparseety-learned-policy"
 FORMAT_VERSION = "1"
 _TENSORS = ("mean", "std", "w1", "b1", "w2", "b2", "token_class")
+#: Trained files that ship with the package (``learned-<model>``, ``kvzap-<surrogate>-<model>``).
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
 
 @dataclass
@@ -71,37 +75,81 @@ class Predictor:
         return target
 
 
-def read_predictor(path: str | Path) -> Predictor:
-    """Read and check a predictor file.
+def read_weights(path: str | Path, policy: str, fmt: str, version: str, required: Sequence[str],
+                 train_hint: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Read a trained policy's safetensors file: ``(metadata, tensors)``, checked for its format.
+
+    The one loader of ``learned`` predictors and ``kvzap`` surrogates. ``policy`` prefixes every
+    message, ``fmt``/``version`` are the expected ``format``/``format_version`` metadata, ``required``
+    the tensors it must hold, ``train_hint`` the command that writes such a file.
 
     Raises
     ------
     ConfigError
-        Missing file, not a safetensors file (or damaged), not a learned-policy file, missing or
-        misshapen tensors.
+        Missing file, not a safetensors file (or damaged), another format or version, missing tensors.
     """
     from safetensors import safe_open
 
     source = Path(path)
     if not source.is_file():
-        raise ConfigError(f"learned: predictor file {source} does not exist (train one with "
-                          "`sparseety learn-policy TRACE_DIR -o FILE`)")
+        raise ConfigError(f"{policy}: predictor file {source} does not exist (train one with `{train_hint}`)")
     try:
         with safe_open(str(source), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     except Exception as exc:  # safetensors raises its own error types for torn or foreign files
-        raise ConfigError(f"learned: {source} is not a readable predictor file (damaged or not safetensors: "
+        raise ConfigError(f"{policy}: {source} is not a readable predictor file (damaged or not safetensors: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"learned: {source} is not a learned-policy file (format {meta.get('format')!r}, "
-                          f"expected {FORMAT!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(f"learned: {source} has format version {meta.get('format_version')!r}; this version "
-                          f"reads {FORMAT_VERSION!r}")
-    missing = [name for name in _TENSORS if name not in tensors]
+    if meta.get("format") != fmt:
+        raise ConfigError(f"{policy}: {source} is not a {policy}-policy file (format {meta.get('format')!r}, "
+                          f"expected {fmt!r})")
+    if meta.get("format_version") != version:
+        raise ConfigError(f"{policy}: {source} has format version {meta.get('format_version')!r}; this version "
+                          f"reads {version!r}")
+    missing = [name for name in required if name not in tensors]
     if missing:
-        raise ConfigError(f"learned: {source} lacks tensors {', '.join(missing)}")
+        raise ConfigError(f"{policy}: {source} lacks tensors {', '.join(missing)}")
+    for key in ("model", "model_fingerprint"):
+        if key not in meta:
+            raise ConfigError(f"{policy}: {source} has damaged metadata (no {key!r})")
+    return meta, tensors
+
+
+def check_trained_for(policy: str, source: str, model_name: str, fingerprint: str, model: ModelInfo) -> None:
+    """Refuse a file trained for another model than ``model`` (by fingerprint of config and weights)."""
+    actual = model.fingerprint()
+    if actual != fingerprint:
+        raise ConfigError(
+            f"{policy}: {source} was trained for model {model_name!r} (fingerprint {fingerprint}), but this run "
+            f"uses model {model.name!r} (fingerprint {actual}); train one for it with `sparseety learn-policy`")
+
+
+def shipped_file(prefix: str, model: ModelInfo) -> Path | None:
+    """The file shipped in :data:`WEIGHTS_DIR` named ``<prefix>*.safetensors`` trained for ``model`` (by
+    fingerprint; only the metadata is read), or None."""
+    from safetensors import safe_open
+
+    if not WEIGHTS_DIR.is_dir():
+        return None
+    fingerprint = model.fingerprint()
+    for path in sorted(WEIGHTS_DIR.glob(f"{prefix}*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("model_fingerprint") == fingerprint:
+                return path
+    return None
+
+
+def read_predictor(path: str | Path) -> Predictor:
+    """Read and check a ``learned`` predictor file (:func:`read_weights`, then its features and shapes).
+
+    Raises
+    ------
+    ConfigError
+        As :func:`read_weights`; damaged metadata, misshapen or non-finite tensors.
+    """
+    source = Path(path)
+    meta, tensors = read_weights(source, "learned", FORMAT, FORMAT_VERSION, _TENSORS,
+                                 "sparseety learn-policy TRACE_DIR -o FILE")
     try:
         features = json.loads(meta["features"])
         provenance = json.loads(meta.get("provenance") or "{}")
@@ -129,19 +177,27 @@ def _check_shapes(source: Path, p: Predictor) -> None:
         raise ConfigError(f"learned: {source}: weights are not all finite")
 
 
-_LOADED: dict[tuple[str, int, int], Predictor] = {}
+_LOADED: dict[tuple[str, str, int, int], Any] = {}
 _LOCK = threading.Lock()
 
 
 def load_predictor(path: str | Path) -> Predictor:
     """:func:`read_predictor`, cached per file (path, size and modification time)."""
+    return cached(path, read_predictor)
+
+
+R = TypeVar("R")
+
+
+def cached(path: str | Path, read: Callable[[Path], R]) -> R:
+    """``read(path)``, cached per file (path, size and modification time)."""
     source = Path(path).expanduser()
     try:
         stat = source.stat()
     except OSError:
-        return read_predictor(source)  # raises the missing-file error
-    key = (str(source.resolve()), stat.st_size, stat.st_mtime_ns)
+        return read(source)  # raises the missing-file error
+    key = (read.__qualname__, str(source.resolve()), stat.st_size, stat.st_mtime_ns)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = read_predictor(source)
+            _LOADED[key] = read(source)
         return _LOADED[key]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import Policy
+from sparseety.policies.base import BudgetTooSmall, Policy
 from sparseety.policies.compactor import CompactorPolicy
 from sparseety.policies.dense import DensePolicy
 from sparseety.policies.expected_attention import ExpectedAttentionPolicy
@@ -14,6 +15,7 @@ from sparseety.policies.h2o import H2OPolicy
 from sparseety.policies.knorm import KnormPolicy
 from sparseety.policies.keydiff import KeyDiffPolicy
 from sparseety.policies.learned import LearnedPolicy
+from sparseety.policies.kvzap import KVzapPolicy
 from sparseety.policies.kvzip import KVzipPolicy
 from sparseety.policies.pyramid import PyramidPolicy
 from sparseety.policies.random_baseline import RandomPolicy
@@ -21,13 +23,14 @@ from sparseety.policies.snapkv import SnapKVPolicy
 from sparseety.policies.streaming import StreamingPolicy
 from sparseety.policies.topk_attention import TopKAttentionPolicy
 from sparseety.policies.tova import TOVAPolicy
+from sparseety.ratio import check_ratio
 
 _POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         DensePolicy, StreamingPolicy, H2OPolicy, SnapKVPolicy, TOVAPolicy, KnormPolicy,
         RandomPolicy, PyramidPolicy, TopKAttentionPolicy, LearnedPolicy,
-        KVzipPolicy,
+        KVzipPolicy, KVzapPolicy,
         KeyDiffPolicy, ExpectedAttentionPolicy, CompactorPolicy,
     )
 }
@@ -81,12 +84,29 @@ def resolve_budget(budget: int | None, ratio: float | None, context_len: int) ->
     if budget is not None and ratio is not None:
         raise ConfigError("give either --budget or --ratio, not both")
     if ratio is not None:
-        if not 0.0 <= ratio < 1.0:
-            raise ConfigError(f"ratio must be in [0, 1), got {ratio}")
+        check_ratio(ratio)
         return max(1, int(context_len * (1 - ratio)))
     if budget is not None and budget <= 0:
         raise ConfigError(f"budget must be a positive integer, got {budget}")
     return budget
+
+
+def sized_policy(name: str, budget: int | None, ratio: float | None, context_len: int,
+                 options: dict[str, Any] | None = None) -> Policy:
+    """:func:`build_policy` with the budget :func:`resolve_budget` gives on ``context_len`` tokens; a ratio
+    that leaves fewer slots than the policy must hold is refused naming the ratio, not a budget."""
+    resolved = resolve_budget(budget, ratio, context_len)
+    try:
+        return build_policy(name, resolved, options)
+    except BudgetTooSmall as exc:
+        if ratio is None or resolved is None:
+            raise
+        if exc.minimum <= context_len:
+            advice = f"use a ratio of at most {math.floor((1 - exc.minimum / context_len) * 1000) / 1000}"
+        else:
+            advice = f"no ratio leaves that many: give a budget of at least {exc.minimum}"
+        raise ConfigError(f"ratio {ratio} leaves {resolved} of the prompt's {context_len} tokens per layer and KV "
+                          f"head, fewer than the {exc.minimum} {name} must hold ({exc.why}); {advice}") from None
 
 
 def build_policy(name: str, budget: int | None = None, options: dict[str, Any] | None = None) -> Policy:
@@ -99,7 +119,7 @@ def build_policy(name: str, budget: int | None = None, options: dict[str, Any] |
             valid = ", ".join(known) or "none"
             raise ConfigError(f"{name}: unknown option {key!r}; valid options: {valid}")
         kwargs[key] = _coerce(name, key, raw, known[key])
-    if cls.evicts or cls.attends_topk:
+    if cls.needs_budget(kwargs):
         if budget is None:
             raise ConfigError(f"policy {name!r} needs --budget N or --ratio R")
     return cls(budget=budget, **kwargs)

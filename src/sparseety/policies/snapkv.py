@@ -17,6 +17,7 @@ from sparseety.policies.base import (
     protect,
     recent_mask,
 )
+from sparseety.policies.value_aware import check_value_aware, value_weighted
 
 
 def window_vote(attention: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -46,6 +47,8 @@ class SnapKVPolicy(Policy):
 
     The window itself is always kept. While decoding, the budget is still enforced: each step's
     attention row is added to the vote (as H2O accumulates), and the newest ``window`` positions stay.
+    ``value_aware=true`` (VATP) multiplies the pooled vote by each slot's ``‖v‖₁`` and keeps the first 4
+    positions (:mod:`sparseety.policies.value_aware`).
     """
 
     name: ClassVar[str] = "snapkv"
@@ -55,11 +58,13 @@ class SnapKVPolicy(Policy):
 
     window: int = 32
     kernel: int = 5
+    value_aware: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int(self.name, "window", self.window)
         check_positive_int(self.name, "kernel", self.kernel)
+        check_value_aware(self.name, self.value_aware)
 
     def window_rows(self) -> int:
         return self.window
@@ -71,4 +76,5 @@ class SnapKVPolicy(Policy):
         else:
             state = accumulated(obs)
         budget = self.layer_budget(obs.layer, obs.num_layers) or 0  # the compressing regime's budget
-        return protect(state, recent_mask(obs.positions, min(self.window, budget))), state
+        scores = value_weighted(state, obs) if self.value_aware else state
+        return protect(scores, recent_mask(obs.positions, min(self.window, budget))), state

@@ -7,8 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from sparseety.errors import ConfigError
-from sparseety.policies.base import Observation, Policy, check_positive_int, protect
+from sparseety.policies.base import BudgetTooSmall, Observation, Policy, check_positive_int, protect
 
 
 @dataclass
@@ -28,7 +27,8 @@ class StreamingPolicy(Policy):
         super().__post_init__()
         check_positive_int(self.name, "sinks", self.sinks, minimum=0)
         if self.budget is not None and self.budget < self.sinks:
-            raise ConfigError(f"streaming: budget ({self.budget}) must be >= sinks ({self.sinks})")
+            raise BudgetTooSmall(f"streaming: budget ({self.budget}) must be >= sinks ({self.sinks})", self.sinks,
+                                 f"its {self.sinks} sinks")
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions = obs.positions

@@ -1,4 +1,4 @@
-"""View data of a ``bench passkey``, ``bench ruler`` or ``tune`` JSON file."""
+"""View data of a ``bench passkey``, ``bench ruler``, ``bench faithfulness`` or ``tune`` JSON file."""
 
 from __future__ import annotations
 
@@ -16,7 +16,43 @@ def bench_view(document: dict[str, Any]) -> dict[str, Any]:
         return tune_view(document)
     if kind == "ruler":
         return ruler_view(document)
-    raise RecordError(f"unknown report source kind {kind!r}: expected 'passkey', 'ruler' or 'tune'")
+    if kind == "faithfulness":
+        return faithfulness_view(document)
+    raise RecordError(f"unknown report source kind {kind!r}: expected 'passkey', 'ruler', 'faithfulness' or 'tune'")
+
+
+def faithfulness_view(document: dict[str, Any]) -> dict[str, Any]:
+    """The AOPC table (one row per method, best comprehensiveness first), both curves per method against
+    the percentage of prompt tokens deleted (kept), and each prompt's top 5 tokens per ``--importance`` mode."""
+    summary, fractions = document.get("summary"), document.get("fractions")
+    if not isinstance(summary, dict) or not isinstance(fractions, list):
+        raise RecordError("faithfulness JSON needs 'summary' (an object of methods) and 'fractions' (a list)")
+    rows = []
+    for method, row in summary.items():
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), list) and len(row[k]) == len(fractions)
+                                                for k in ("comprehensiveness", "sufficiency")):
+            raise RecordError(f"faithfulness JSON: summary[{method!r}] needs comprehensiveness and sufficiency "
+                              f"lists of {len(fractions)} numbers")
+        rows.append({"method": method, "aopc_comprehensiveness": row.get("aopc_comprehensiveness"),
+                     "of_leave_one_out": row.get("of_leave_one_out"), "aopc_sufficiency": row.get("aopc_sufficiency"),
+                     "comprehensiveness": row["comprehensiveness"], "sufficiency": row["sufficiency"]})
+    rows.sort(key=lambda r: -(r["aopc_comprehensiveness"] or 0.0))
+    results = document.get("results") if isinstance(document.get("results"), list) else []
+    top5 = [{"title": str(r.get("title", r.get("case", "?"))), "answer": str(r.get("answer", "")),
+             "tokens": {m: [str(t) for t in ts] for m, ts in (r.get("top5") or {}).items() if isinstance(ts, list)}}
+            for r in results if isinstance(r, dict)]
+    notes = [] if document.get("complete", True) else [f"Unfinished run: {len(results)} prompts so far."]
+    return {
+        "kind": "faithfulness",
+        "title": "Faithfulness of the important-token rankings",
+        "percents": [100 * float(f) for f in fractions],
+        "table": rows,
+        "top5": top5,
+        "results": len(results),
+        "extra": {k: v for k, v in document.items()
+                  if k not in ("kind", "results", "summary", "complete") and not isinstance(v, (dict, list))},
+        "notes": notes,
+    }
 
 
 def passkey_view(document: dict[str, Any]) -> dict[str, Any]:

@@ -123,6 +123,7 @@ MARKS = {
     "cached": ("cached", "prefill skipped: KV served from the prefix cache"),
     "recomputed": ("recomputed", "KV freed by a preemption, computed again"),
     "rejected": ("drafted", "a draft proposed here was rejected"),
+    "sink": ("sink", "attention sink: left out of the rankings and of the shading scale"),
 }
 
 

@@ -37,7 +37,8 @@ def render_view(view: dict[str, Any]) -> str:
     """Render a view from :mod:`sparseety.report.data` or :mod:`sparseety.report.bench_data`."""
     kind = view["kind"]
     root_id = "spx-" + hashlib.sha1(f"{view['title']}:{next(_counter)}".encode()).hexdigest()[:12]
-    body = {"trace": _trace_body, "passkey": _passkey_body, "ruler": _ruler_body, "tune": _tune_body}[kind](view, root_id)
+    body = {"trace": _trace_body, "passkey": _passkey_body, "ruler": _ruler_body, "faithfulness": _faithfulness_body,
+            "tune": _tune_body}[kind](view, root_id)
     notes = "".join(f'<div class="note">{escape(n)}</div>' for n in view.get("notes", []))
     script = f"(function(ROOT_ID){{\n{_template('report.js')}\n}})({script_json(root_id)});"
     replacements = [
@@ -97,6 +98,8 @@ def _subtitle(view: dict[str, Any]) -> str:
         return f"request {view['request_id']}"
     if view["kind"] in ("passkey", "ruler"):
         return f"bench {view['kind']} · {view['results']} runs"
+    if view["kind"] == "faithfulness":
+        return f"bench faithfulness · {view['results']} prompts"
     return f"tune · policy {view.get('policy')} · metric {view.get('metric')}"
 
 
@@ -180,6 +183,15 @@ def _ruler_body(view: dict[str, Any], root_id: str) -> str:
     return (extra + _section(root_id, "accuracy", "Mean recall over all tasks by policy and ratio",
                              '<div class="accuracy-body"></div>')
             + tasks + _section(root_id, "kv", "KV held at the peak, fraction of dense", '<div class="kv-body"></div>'))
+
+
+def _faithfulness_body(view: dict[str, Any], root_id: str) -> str:
+    extra = _kv(list(view["extra"].items())) if view["extra"] else ""
+    return (extra + _section(root_id, "aopc", "AOPC by ranking (higher comprehensiveness, lower sufficiency is better)",
+                             '<div class="scroll"><table class="data aopc"></table></div>')
+            + _section(root_id, "curves", "Drop of log p(answer) against the share of prompt tokens",
+                       '<div class="comp-body"></div><div class="suff-body"></div>')
+            + _section(root_id, "top5", "Top 5 tokens per prompt and mode", '<div class="top5-body"></div>'))
 
 
 def _tune_body(view: dict[str, Any], root_id: str) -> str:

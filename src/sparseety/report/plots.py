@@ -29,7 +29,7 @@ def save_figures(view: dict[str, Any], directory: Path) -> list[Path]:
     except OSError as exc:
         raise InputError(f"cannot create the PNG directory {directory}: {exc}") from None
     figures = {"trace": _trace_figures, "passkey": _passkey_figures, "ruler": _ruler_figures,
-               "tune": _tune_figures}[view["kind"]](view)
+               "faithfulness": _faithfulness_figures, "tune": _tune_figures}[view["kind"]](view)
     written = []
     with plt.rc_context({"font.size": 10, "axes.spines.top": False, "axes.spines.right": False}):
         for name, draw in figures:
@@ -215,6 +215,24 @@ def _ruler_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
             (_, draw), = _passkey_figures({"accuracy": grid, "by_depth": {"rows": []}}, title=title)
             figures.append((name, draw))
     return figures
+
+
+def _faithfulness_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Comprehensiveness and sufficiency against the share of prompt tokens, one line per ranking."""
+    def curve(key: str, title: str) -> Any:
+        def draw(fig: Any) -> None:
+            ax = fig.add_subplot()
+            for row in view["table"]:
+                ax.plot(view["percents"], row[key], marker="o", label=row["method"])
+            ax.set(xlabel="% of prompt tokens", ylabel="drop of log p(answer) (nats)", title=title)
+            ax.legend(frameon=False, fontsize=8)
+
+        return draw
+
+    if not view["table"]:
+        return []
+    return [("faithfulness_comprehensiveness", curve("comprehensiveness", "Comprehensiveness: top k% deleted")),
+            ("faithfulness_sufficiency", curve("sufficiency", "Sufficiency: only top k% kept"))]
 
 
 def _tune_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:

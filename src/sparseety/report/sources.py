@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sparseety.errors import RecordError
+from sparseety.errors import QueryLimitError, RecordError
 from sparseety.schema import SCHEMA_VERSION
 from sparseety.store import StoredTrace, load_trace
 
-BENCH_KINDS = ("passkey", "ruler", "tune")
+BENCH_KINDS = ("passkey", "ruler", "faithfulness", "tune")
 
 
 def load_source(source: StoredTrace | str | Path, request_id: str | None = None) -> StoredTrace | dict[str, Any]:
@@ -33,7 +33,7 @@ def load_source(source: StoredTrace | str | Path, request_id: str | None = None)
             return document
     try:
         trace = load_trace(path, request_id)
-    except RecordError:
+    except (RecordError, QueryLimitError):  # a limit of the SQL sandbox: its own message
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RecordError(f"{path} is not a trace, a trace directory or a passkey/tune JSON file ({exc})") from None

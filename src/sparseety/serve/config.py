@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -11,7 +11,9 @@ from sparseety.config import ValidatedConfig
 from sparseety.models.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
+    from sparseety.engine import SparseEngine
     from sparseety.policies.prune import PruneSchedule
+    from sparseety.store.sandbox import SqlLimits
 
 
 class ServeConfig(ValidatedConfig):
@@ -43,6 +45,11 @@ class ServeConfig(ValidatedConfig):
     prune_schedule, prune_opts : token pruning of every prompt (``"8:0.3,16:0.5"``, or ``default``).
     attention_topk : decode attends only to this many highest-scoring held slots, under any policy.
     layers : layers recording important tokens in traces: ``all``, ``auto`` or ``"0,15,29"``.
+    importance, importance_weights : the important-token score (``attention``, ``value``, ``output`` or
+        ``learned``, :mod:`sparseety.extract.scoring`; ``sparseety serve`` defaults to ``value``) and, for
+        ``learned``, the head-weights file (None: the weights shipped for the model), checked at start-up.
+    sql_timeout, sql_memory_limit, sql_threads : bounds of each trace endpoint's DuckDB reads (seconds,
+        bytes or ``"256MiB"``, threads; :class:`~sparseety.store.sandbox.SqlLimits`); past one: 503.
     """
 
     model: str = DEFAULT_MODEL
@@ -72,6 +79,11 @@ class ServeConfig(ValidatedConfig):
     prune_opts: dict[str, str] = Field(default_factory=dict)
     attention_topk: StrictInt | None = Field(None, gt=0, le=1 << 20)
     layers: str = "all"
+    importance: Literal["attention", "value", "output", "learned"] = "attention"
+    importance_weights: Path | None = None
+    sql_timeout: float = Field(10.0, gt=0, le=86_400, allow_inf_nan=False)
+    sql_memory_limit: StrictInt = Field(512 << 20, ge=1 << 20, le=1 << 50)
+    sql_threads: StrictInt = Field(1, ge=1, le=256)
 
     @field_validator("kv_memory_limit", mode="before")
     @classmethod
@@ -79,6 +91,13 @@ class ServeConfig(ValidatedConfig):
         from sparseety.units import parse_size
 
         return None if value is None else parse_size(value, "kv_memory_limit")
+
+    @field_validator("sql_memory_limit", mode="before")
+    @classmethod
+    def _sql_size(cls, value: Any) -> Any:
+        from sparseety.units import parse_size
+
+        return parse_size(value, "sql_memory_limit")
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -88,6 +107,8 @@ class ServeConfig(ValidatedConfig):
             raise ValueError("api_key is empty")
         if self.prune_opts and self.prune_schedule is None:
             raise ValueError("prune_opts need a prune_schedule")
+        if self.importance_weights is not None and self.importance != "learned":
+            raise ValueError(f"importance_weights need importance 'learned' (importance is {self.importance!r})")
         from sparseety.engine.layers import parse_layers
 
         parse_layers(self.layers)
@@ -102,18 +123,31 @@ class ServeConfig(ValidatedConfig):
             return None
         return parse_prune_schedule(self.prune_schedule, dict(self.prune_opts), num_layers)
 
-    def engine_options(self, num_layers: int) -> dict[str, Any]:
-        """Keyword arguments of ``SparseEngine.generate`` set for every request beside the policy."""
+    def engine_options(self, num_layers: int, engine: SparseEngine | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``SparseEngine.generate`` set for every request beside the policy (``learned``
+        weights read and checked against ``engine``'s model when it is given)."""
         schedule = self.prune_for(num_layers)
         if schedule is not None:
             schedule.check_layers(num_layers)
-        return {"prune": schedule, "attention_topk": self.attention_topk, "layers": self.layers}
+        weights: Any = self.importance_weights
+        if self.importance == "learned" and engine is not None:
+            weights = engine.head_weights(self.importance_weights)
+        return {"prune": schedule, "attention_topk": self.attention_topk, "layers": self.layers,
+                "importance": self.importance, "importance_weights": weights}
 
     def torch_threads(self) -> int:
-        """The engine loop's torch threads (see ``threads``)."""
-        import os
+        """The engine loop's torch threads (see ``threads``): :func:`sparseety.threads.choose_threads`."""
+        from sparseety.threads import choose_threads
 
-        return self.threads if self.threads is not None else max(1, (os.cpu_count() or 1) - 1)
+        return choose_threads(self.threads)
+
+    @property
+    def sql_limits(self) -> SqlLimits:
+        """The trace endpoints' SQL bounds."""
+        from sparseety.store.sandbox import SqlLimits
+
+        return SqlLimits(memory_limit=self.sql_memory_limit, threads=self.sql_threads, timeout=self.sql_timeout,
+                         server=True)
 
     @property
     def queue_capacity(self) -> int:

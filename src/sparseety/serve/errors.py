@@ -47,7 +47,10 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+TOKEN_COUNT_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def _describe_validation(exc: RequestValidationError, max_tokens_limit: int | None) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -55,6 +58,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     param = _validation_param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if param in TOKEN_COUNT_FIELDS and max_tokens_limit is not None:  # 1e20, "5", true: say the server's range
+        return f"{param} must be an integer between 1 and {max_tokens_limit}, got {first.get('input')!r}", param
     message = str(first.get("msg", "invalid value"))
     return (f"{param}: {message}" if param else message), param
 
@@ -67,8 +72,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe_validation(exc)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        state = getattr(request.app.state, "serve", None)
+        message, param = _describe_validation(exc, state.config.max_tokens_limit if state is not None else None)
         return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)

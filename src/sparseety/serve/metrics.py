@@ -37,7 +37,7 @@ class _TraceWriterCollector(Collector):
         if stats is None:
             return
         yield CounterMetricFamily(P + "trace_records_dropped", "Trace records the writer dropped (queue full or "
-                                  "write error).", value=stats.dropped_records)
+                                  "write error).", value=stats.dropped_records + stats.failed_records)
         yield CounterMetricFamily(P + "trace_records_committed", "Requests whose trace the writer committed.",
                                   value=stats.committed_requests)
         yield GaugeMetricFamily(P + "trace_queue_depth", "Trace records waiting in the writer's queue.",

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparseety.engine import EncodedInput, SparseEngine, encode_messages, encode_prompt
-from sparseety.errors import SparseetyError
-from sparseety.policies import build_policy, resolve_budget
+from sparseety.engine.scheduler import kv_limit_message
+from sparseety.errors import InputError, SparseetyError
+from sparseety.policies import sized_policy
 from sparseety.policies.base import Policy
+from sparseety.request_json import check_text_size
 from sparseety.serve.config import ServeConfig
 from sparseety.serve.errors import APIError
 from sparseety.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -50,19 +52,27 @@ def check_request_id(value: str) -> str:
     return value
 
 
-def _check_text(text: str, param: str) -> str:
-    """JSON may carry lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+def _text_bytes(text: str, param: str) -> int:
+    """The UTF-8 size of ``text``; JSON may carry lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise APIError(400, f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}",
                        param=param, code="invalid_value") from None
-    return text
 
 
-def _chat_ids(tokenizer: Any, body: ChatCompletionRequest) -> EncodedInput:
+def _check_size(size: int, param: str, context: int | None) -> None:
+    """Refuse text far larger than the model's context could hold, by bytes, before tokenizing it."""
+    try:
+        check_text_size(size, f"the {param} text", context)
+    except InputError as exc:
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+
+
+def _chat_ids(tokenizer: Any, body: ChatCompletionRequest, context: int | None) -> EncodedInput:
     """The conversation through :func:`encode_messages`, the encoding ``sparseety audit-usage`` checks against."""
-    messages = [{"role": m.role, "content": _check_text(m.text(), "messages")} for m in body.messages]
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    _check_size(sum(_text_bytes(m["content"], "messages") for m in messages), "messages", context)
     if not any(m["content"].strip() for m in messages):
         raise APIError(400, "every message is empty", param="messages", code="invalid_value")
     try:
@@ -73,14 +83,14 @@ def _chat_ids(tokenizer: Any, body: ChatCompletionRequest) -> EncodedInput:
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
 
 
-def _completion_ids(tokenizer: Any, body: CompletionRequest) -> EncodedInput:
+def _completion_ids(tokenizer: Any, body: CompletionRequest, context: int | None) -> EncodedInput:
     prompt = body.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
             raise APIError(400, f"prompt must be one string (batched prompts are not supported), got a list of "
                            f"{len(prompt)}", param="prompt", code="invalid_value")
         prompt = prompt[0]
-    _check_text(prompt, "prompt")
+    _check_size(_text_bytes(prompt, "prompt"), "prompt", context)
     try:
         return encode_prompt(tokenizer, prompt, chat=False)
     except SparseetyError as exc:
@@ -89,9 +99,9 @@ def _completion_ids(tokenizer: Any, body: CompletionRequest) -> EncodedInput:
 
 def _max_tokens(body: ChatCompletionRequest | CompletionRequest, prompt_len: int, context: int | None,
                 config: ServeConfig, param: str) -> int:
-    requested = body.max_tokens
+    requested, field = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        requested = body.max_completion_tokens
+        requested, field = body.max_completion_tokens, "max_completion_tokens"
     room = None if context is None else context - prompt_len
     if room is not None and room <= 0:
         raise APIError(400, f"the prompt is {prompt_len} tokens, over the model's context window of {context} "
@@ -101,11 +111,11 @@ def _max_tokens(body: ChatCompletionRequest | CompletionRequest, prompt_len: int
         default = min(default, config.max_tokens_limit)
         return default if room is None else min(default, room)
     if not 1 <= requested <= config.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be between 1 and {config.max_tokens_limit}, got {requested}",
-                       param="max_tokens", code="invalid_value")
+        raise APIError(400, f"{field} must be between 1 and {config.max_tokens_limit} (this server's "
+                       f"--max-tokens-limit), got {requested}", param=field, code="invalid_value")
     if room is not None and requested > room:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's "
-                       f"context window of {context} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(400, f"the prompt ({prompt_len} tokens) plus {field} ({requested}) exceeds the model's "
+                       f"context window of {context} tokens", param=field, code="context_length_exceeded")
     return requested
 
 
@@ -124,8 +134,7 @@ def _policy(body: ChatCompletionRequest | CompletionRequest, config: ServeConfig
                        code="invalid_value")
     param = "sparsity.policy"
     try:
-        resolved = resolve_budget(budget, ratio, prompt_len)
-        return build_policy(name, resolved, options)
+        return sized_policy(name, budget, ratio, prompt_len, options)
     except SparseetyError as exc:
         message = str(exc)
         if "budget" in message or "ratio" in message:
@@ -145,7 +154,8 @@ def plan_request(body: ChatCompletionRequest | CompletionRequest, engine: Sparse
     if body.n is not None and body.n != 1:
         raise APIError(400, f"n must be 1 (generation is greedy: every choice would be the same), got {body.n}",
                        param="n", code="invalid_value")
-    encoded = _chat_ids(engine.tokenizer, body) if chat else _completion_ids(engine.tokenizer, body)
+    context = engine.max_positions
+    encoded = _chat_ids(engine.tokenizer, body, context) if chat else _completion_ids(engine.tokenizer, body, context)
     prompt_param = "messages" if chat else "prompt"
     max_tokens = _max_tokens(body, encoded.input_len, engine.max_positions, config, prompt_param)
     policy = _policy(body, config, encoded.input_len)
@@ -157,10 +167,10 @@ def plan_request(body: ChatCompletionRequest | CompletionRequest, engine: Sparse
     if config.kv_memory_limit is not None:
         needed = engine.reserved_kv_bytes(encoded, policy, max_tokens)
         if needed > config.kv_memory_limit:
-            raise APIError(400, f"this request needs {needed} bytes of KV cache at worst ({encoded.input_len} prompt "
-                           f"tokens + max_tokens {max_tokens} under policy {policy.name!r}), more than the server's "
-                           f"--kv-memory-limit of {config.kv_memory_limit} bytes: lower max_tokens or use an evicting "
-                           "policy with a budget", param="max_tokens", code="kv_memory_limit_exceeded")
+            raise APIError(400, kv_limit_message(
+                "this request", needed, config.kv_memory_limit, prompt_len=encoded.input_len, max_new_tokens=max_tokens,
+                policy=policy, limit_name="--kv-memory-limit", tokens_name="max_tokens"),
+                param="max_tokens", code="kv_memory_limit_exceeded")
     decision = tracer.decide(request_id, force=force, tier=sparsity.tier if sparsity else None)
     return Plan(
         request_id=request_id, operation="chat" if chat else "text_completion", request_model=body.model,

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+from sparseety.ratio import Ratio
+from sparseety.request_json import Role
 
 
 class SparsityRequest(BaseModel):
@@ -31,7 +32,7 @@ class SparsityRequest(BaseModel):
 
     policy: str | None = Field(None, min_length=1, max_length=64)
     budget: StrictInt | None = Field(None, gt=0, le=1 << 20)
-    ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    ratio: Ratio | None = None
     options: dict[str, str | int | float | bool] | None = Field(None, max_length=32)
     tier: StrictInt | None = Field(None, ge=1, le=3)
     trace: StrictBool = False
@@ -70,7 +71,8 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., max_length=256)
-    max_tokens: StrictInt | None = Field(None, ge=-(1 << 31), le=1 << 31, description="Largest number of generated tokens.")
+    max_tokens: StrictInt | None = Field(None, description="Largest number of generated tokens (1 to the server's "
+                                         "--max-tokens-limit).")
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False, description="Accepted; generation is greedy.")
     top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, description="Accepted; generation is greedy.")
     n: StrictInt | None = Field(None, description="Only 1 (greedy generation gives one answer).")
@@ -85,7 +87,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is a synonym of ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=-(1 << 31), le=1 << 31)
+    max_completion_tokens: StrictInt | None = Field(None, description="A synonym of max_tokens.")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -185,5 +187,6 @@ class TraceList(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
     for status, text in ((400, "Bad request body"), (401, "No API key"), (403, "Wrong API key"),
-                         (404, "Unknown model or trace"), (413, "Body too large"), (429, "Queue full"))
+                         (404, "Unknown model or trace"), (409, "Request id in use"), (413, "Body too large"),
+                         (429, "Queue full"), (503, "Shutting down"))
 }

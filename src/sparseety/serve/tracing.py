@@ -8,6 +8,7 @@ attribute names under ``extra["otel"]``; with an OTLP endpoint each request is a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from sparseety.errors import ConfigError
 from sparseety.serve.config import ServeConfig
 
 UNTRACED_TIER = 1
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,24 @@ class Tracer:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.writer: Any = None
+        self._last_logged: str | None = None
         self._provider: Any = _span_exporter(config.otlp_endpoint) if config.otlp_endpoint else None
         if config.trace_dir is not None:
             from sparseety.store import TraceWriter
+            from sparseety.store.dataset import check_trace_dir
 
+            check_trace_dir(config.trace_dir)  # an unwritable store fails at start-up, not request by request
             self.writer = TraceWriter(config.trace_dir, queue_size=config.trace_queue_size,
-                                      redact=config.redact, ids_only=config.ids_only)
+                                      redact=config.redact, ids_only=config.ids_only, on_error=self._write_failed)
+
+    def _write_failed(self, exc: BaseException, request_ids: list[str]) -> None:
+        """Log a write failure once (again only when the error changes); every one is counted by the writer."""
+        message = f"{type(exc).__name__}: {exc}"
+        if message != self._last_logged:
+            self._last_logged = message
+            _LOG.error("traces of %d request(s) not written to %s: %s (the answers were returned; further "
+                       "failures like this one are only counted in sparseety:trace_records_dropped)",
+                       len(request_ids), self.config.trace_dir, message)
 
     @property
     def enabled(self) -> bool:

@@ -16,10 +16,11 @@ import pyarrow.parquet as pq
 
 from sparseety.errors import RecordError
 from sparseety.schema import TokenRecord
-from sparseety.store.dataset import open_dataset
+from sparseety.store.commits import manifest_paths, read_manifest
+from sparseety.store.dataset import open_dataset, uses_commit_log
 from sparseety.store.notices import notice
 from sparseety.store.rows import DRAFT_COLUMNS, DRAFT_EVENTS, DRAFT_GROUP, EVENT_COLUMNS, EVENT_REASONS
-from sparseety.store.sandbox import lock_down
+from sparseety.store.sandbox import LIMIT_ERRORS, SqlLimits, apply_limits, bounded, lock_down
 from sparseety.store.scan import Scan, file_problem, scan_dataset
 from sparseety.store.tables import TABLES
 
@@ -82,11 +83,14 @@ def _scan(trace_dir: str | Path) -> Scan:
 
 def _connect(scan: Scan) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
+    apply_limits(con)
     for table in VIEWS:
         files = scan.files[table]
         if files:
             try:
                 _create_view(con, table, files)
+            except LIMIT_ERRORS:  # a limit stopped it, not a damaged file
+                raise
             except duckdb.Error:  # a file whose footer pyarrow read but DuckDB refuses: find and skip it
                 files = scan.files[table] = _readable_by_duckdb(con, files)
         if files:
@@ -116,6 +120,8 @@ def _readable_by_duckdb(con: duckdb.DuckDBPyConnection, files: list[Path]) -> li
     for path in files:
         try:
             con.execute("SELECT * FROM read_parquet(?) LIMIT 0", [str(path)]).fetchall()
+        except LIMIT_ERRORS:
+            raise
         except duckdb.Error as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             notice(f"skipped damaged file {path}: DuckDB cannot read it ({first}) "
@@ -125,18 +131,26 @@ def _readable_by_duckdb(con: duckdb.DuckDBPyConnection, files: list[Path]) -> li
     return readable
 
 
-def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
+@bounded
+def load_trace(path: str | Path, request_id: str | None = None, limits: SqlLimits | None = None) -> StoredTrace:
     """Read one request back.
 
     Parameters
     ----------
     path : the dataset root, or a ``requests`` file inside it (what ``write_trace`` returned).
     request_id : the request to read; None: the one in the ``requests`` file, or the newest.
+    limits : SQL bounds of the read (default: :func:`~sparseety.store.sandbox.current_limits`).
+
+    A request id stored more than once (two writers, or a request submitted twice) reads as its newest
+    copy, with a notice: its arrays and important tokens come from that copy's commit, or are left out
+    when the copies cannot be told apart (written in one commit, or a dataset without a commit log).
 
     Raises
     ------
     RecordError
         Missing or not a dataset, newer major schema, or no such request.
+    QueryLimitError
+        The read passed a limit of ``limits``.
     """
     given = Path(path)
     root, file = _root_of(given)
@@ -157,8 +171,8 @@ def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
         request_id = newest.column("request_id")[0].as_py()
     found = _arrow(
         con,
-        "SELECT *, filename AS _file FROM read_parquet(?, hive_partitioning = true, union_by_name = true, "
-        "filename = true) WHERE request_id = ? ORDER BY created_at DESC LIMIT 1",
+        "SELECT *, filename AS _file, count(*) OVER () AS _copies FROM read_parquet(?, hive_partitioning = true, "
+        "union_by_name = true, filename = true) WHERE request_id = ? ORDER BY created_at DESC LIMIT 1",
         [[str(p) for p in scan.files["requests"]], request_id],
     ) if scan.files["requests"] else None
     if found is None or found.num_rows == 0:
@@ -166,10 +180,44 @@ def load_trace(path: str | Path, request_id: str | None = None) -> StoredTrace:
     request = found.to_pylist()[0]
     document = _document(request)
     manifest = document.pop("arrays", {}) or {}
-    arrays = {**_event_arrays(con, request_id, manifest), **_signal_arrays(con, request_id, manifest)}
-    document["important_tokens"] = _records(con, request_id)
+    source: duckdb.DuckDBPyConnection | None = con
+    if request["_copies"] > 1:
+        source = _newest_copy(scan, Path(request["_file"]), request_id, request["_copies"], document["created_at"])
+    arrays: dict[str, np.ndarray] = {}
+    document["important_tokens"] = []
+    if source is not None:
+        arrays = {**_event_arrays(source, request_id, manifest), **_signal_arrays(source, request_id, manifest)}
+        document["important_tokens"] = _records(source, request_id)
     document["trace_path"] = str(request["_file"])
     return StoredTrace(document=document, arrays=arrays, path=Path(request["_file"]))
+
+
+def _newest_copy(scan: Scan, file: Path, request_id: str, copies: int,
+                 created: str) -> duckdb.DuckDBPyConnection | None:
+    """A connection over the files of the commit holding the newest of ``copies`` rows of ``request_id``
+    (in ``file``); None, with a notice, when that commit cannot tell the copies apart."""
+    said = f"request {request_id!r} is stored {copies} times in {scan.root}: showing the newest copy ({created})"
+    rel = file.relative_to(scan.root).as_posix()
+    names = next((set(n) for n in map(_manifest_files, manifest_paths(scan.root)) if rel in n), None) \
+        if uses_commit_log(scan.root) else None
+    if names is not None:
+        files = {table: [p for p in scan.files[table] if p.relative_to(scan.root).as_posix() in names]
+                 for table in VIEWS}
+        in_commit = sum(pq.read_table(p, columns=["request_id"], filters=[("request_id", "=", request_id)]).num_rows
+                        for p in files["requests"])
+        if in_commit == 1:
+            notice(said)
+            return _connect(Scan(root=scan.root, files=files))
+    notice(f"{said}, without its arrays and important tokens (its copies were written together and cannot be "
+           "told apart)")
+    return None
+
+
+def _manifest_files(path: Path) -> list[str]:
+    try:
+        return read_manifest(path)
+    except RecordError:  # a damaged manifest: the scan has reported it
+        return []
 
 
 def _root_of(path: Path) -> tuple[Path, Path | None]:
@@ -298,19 +346,27 @@ def _arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any]) -> pa.Ta
         raise RecordError(f"reading the trace dataset failed: {first} (run `sparseety traces check`)") from None
 
 
-def list_traces(trace_dir: str | Path, limit: int = 20) -> list[dict[str, Any]]:
-    """Summaries of the newest ``limit`` requests, newest first."""
+@bounded
+def list_traces(trace_dir: str | Path, limit: int = 20, limits: SqlLimits | None = None) -> list[dict[str, Any]]:
+    """Summaries of the newest ``limit`` requests, newest first (a request stored more than once: its newest
+    copy, with a notice), read within ``limits`` (default: the current ones; else :class:`QueryLimitError`)."""
     if limit <= 0:
         raise RecordError(f"limit must be positive, got {limit}")
     con = connect(trace_dir)
-    table = _arrow(
+    table = _arrow(  # a request stored more than once is listed once: its newest copy
         con,
         "SELECT request_id, created_at, model, policy, budget, tier, prompt_tokens, completion_tokens, "
-        "evicted_positions, eviction_events, draft_rejected, kv_cache_bytes_peak, prefill_s, decode_s "
-        "FROM requests ORDER BY created_at DESC, request_id LIMIT ?",
+        "evicted_positions, eviction_events, draft_rejected, kv_cache_bytes_peak, prefill_s, decode_s, "
+        "count(*) OVER (PARTITION BY request_id) AS _copies FROM requests "
+        "QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY created_at DESC) = 1 "
+        "ORDER BY created_at DESC, request_id LIMIT ?",
         [limit],
     )
     rows = table.to_pylist()
     for row in rows:
         row["created_at"] = row["created_at"].isoformat()
+        copies = row.pop("_copies")
+        if copies > 1:
+            notice(f"request {row['request_id']!r} is stored {copies} times in {trace_dir}: listing the "
+                   f"newest copy ({row['created_at']})")
     return rows

@@ -90,6 +90,7 @@ class TraceWriter:
     flush_interval_s : commit a batch at the latest this long after its first record.
     compression : Parquet codec (``zstd``; ``none`` lets tests read the raw bytes).
     on_commit : called in the writer thread after each committed batch.
+    on_error : called in the writer thread with the error and the request ids whose traces it lost.
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class TraceWriter:
         flush_interval_s: float = 1.0,
         compression: str = "zstd",
         on_commit: Callable[[Commit], None] | None = None,
+        on_error: Callable[[BaseException, list[str]], None] | None = None,
     ) -> None:
         if queue_size <= 0:
             raise ConfigError(f"queue_size must be positive, got {queue_size}")
@@ -114,6 +116,7 @@ class TraceWriter:
         self.batch_rows = batch_rows
         self.flush_interval_s = flush_interval_s
         self.on_commit = on_commit
+        self.on_error = on_error
         self.queue_size = queue_size
         # A deque, not queue.Queue: append/popleft/len are atomic under the GIL and take no mutex the
         # writer thread could hold, so ``submit`` never blocks (a contended mutex would make the
@@ -126,7 +129,7 @@ class TraceWriter:
         self._last_error: str | None = None
         self._paths: OrderedDict[str, Path] = OrderedDict()  # the newest PATHS_KEPT requests
         self._in_flight: dict[str, None] = {}  # accepted, not yet committed (or lost to an error)
-        self._lost: OrderedDict[str, None] = OrderedDict()  # the newest PATHS_KEPT dropped or failed requests
+        self._lost: OrderedDict[str, str] = OrderedDict()  # the newest PATHS_KEPT dropped or failed requests: why
         self._closed = False
         self._stop = threading.Event()
         self._flushes: deque[threading.Event] = deque()
@@ -152,7 +155,7 @@ class TraceWriter:
         if len(self._queue) >= self.queue_size:
             with self._lock:  # producers only (and stats()): never held by the writer's hot path
                 self._dropped += 1
-                self._remember_lost([result.request_id])
+                self._remember_lost([result.request_id], f"the trace writer's queue was full ({self.queue_size})")
             return False
         self._in_flight[result.request_id] = None  # a dict store: atomic, no lock on the producer's path
         self._queue.append(_Item(result, sample_rate, extra, time.time()))
@@ -168,11 +171,16 @@ class TraceWriter:
                 return "pending"
             return "dropped" if request_id in self._lost else None
 
-    def _remember_lost(self, request_ids: list[str]) -> None:
-        """Under ``_lock``: these requests' traces will never be committed."""
+    def drop_reason(self, request_id: str) -> str | None:
+        """Why a ``dropped`` request's trace was lost (queue full, or the write error); else None."""
+        with self._lock:
+            return self._lost.get(request_id)
+
+    def _remember_lost(self, request_ids: list[str], reason: str) -> None:
+        """Under ``_lock``: these requests' traces will never be committed, because of ``reason``."""
         for request_id in request_ids:
             self._in_flight.pop(request_id, None)
-            self._lost[request_id] = None
+            self._lost[request_id] = reason
         while len(self._lost) > PATHS_KEPT:
             self._lost.popitem(last=False)
 
@@ -314,8 +322,13 @@ class TraceWriter:
     def _fail(self, count: int, exc: BaseException, request_ids: list[str] | tuple[str, ...] = ()) -> None:
         with self._lock:
             self._failed += count
-            self._remember_lost(list(request_ids))
+            self._remember_lost(list(request_ids), f"the write failed: {type(exc).__name__}: {exc}")
         self._record_error(exc)
+        if self.on_error is not None:
+            try:
+                self.on_error(exc, list(request_ids))
+            except Exception as hook_exc:
+                self._record_error(hook_exc)
 
     def _record_error(self, exc: BaseException) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ the child of block ``i - 1`` whose token ids equal ``prompt[i*bs:(i+1)*bs]``, th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -23,6 +24,7 @@ from typing import Any
 import msgspec
 
 BlockHash = bytes | int
+log = logging.getLogger("sparseety.vllm")
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -236,6 +238,7 @@ class KVEventSubscriber:
         self.seq_gaps = 0  #: sequence numbers skipped (messages lost on the wire or before we joined)
         self.dropped_changes = 0
         self.last_seq: int | None = None
+        self.error: str | None = None  #: why the socket could not bind or connect (the thread then ends)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparseety-kv-events", daemon=True)
@@ -269,6 +272,10 @@ class KVEventSubscriber:
                 sock.bind(self.endpoint)
             else:
                 sock.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            self.error = str(e)
+            sock.close(0)
+            return
         finally:
             self._ready.set()
         poller = zmq.Poller()
@@ -300,6 +307,9 @@ class KVEventSubscriber:
                 self.pending.extend(changes)
                 if self.on_changes is not None and changes:
                     self.on_changes(changes)
+        except Exception as e:  # a thread of vLLM's process: log and stop, never raise
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("sparseety: the KV-event subscriber stopped")
         finally:
             sock.close(0)
 

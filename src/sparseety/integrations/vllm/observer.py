@@ -17,7 +17,11 @@ Data flow (nothing here waits on vLLM's loop, and vLLM's loop never waits on it)
 Environment: ``SPARSEETY_TRACE_DIR`` (no store without it; metrics still count), ``SPARSEETY_SAMPLE_RATE``
 (share of requests kept above tier 1, default 1), ``SPARSEETY_TIER`` (1: counts and timings; 2, the
 default: ids and token events), ``SPARSEETY_KV_EVENTS`` (the KV-event endpoint to subscribe to;
-default: the one vLLM's ``--kv-events-config`` publishes on, ``off`` to skip), ``SPARSEETY_QUEUE_SIZE``.
+default: the one vLLM's ``--kv-events-config`` publishes on, ``off`` to skip), ``SPARSEETY_QUEUE_SIZE``;
+parsed by :func:`.settings.parse_settings`. A bad one is logged in one line and turns tracing off.
+
+Nothing here may raise into vLLM: the hooks and the stat logger call in through guarded entry points
+that log a hook's first failure (with its traceback) and count the rest (:func:`.hooks.guarded`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from sparseety.integrations.vllm.kv_events import (
 )
 from sparseety.integrations.vllm.metrics import metrics
 from sparseety.integrations.vllm.record import ENGINE, KV_POLICY, EventGroup, VllmRun, draft_arrays
+from sparseety.integrations.vllm.settings import Settings, parse_settings
 
 log = logging.getLogger("sparseety.vllm")
 CAPTURE_WAIT_S = 0.25  #: a finished request waits this long for its blocks' KV events before it is joined
@@ -90,31 +95,13 @@ class Capture:
     finished_at: float = field(default_factory=time.monotonic)
 
 
-@dataclass
-class Settings:
-    trace_dir: str | None
-    sample_rate: float
-    tier: int
-    queue_size: int
-    kv_endpoint: str | None
-
-    @classmethod
-    def from_env(cls) -> Settings:
-        tier = int(os.environ.get("SPARSEETY_TIER", "2"))
-        return cls(
-            trace_dir=os.environ.get("SPARSEETY_TRACE_DIR") or None,
-            sample_rate=float(os.environ.get("SPARSEETY_SAMPLE_RATE", "1")),
-            tier=max(1, min(tier, 2)),  # tier 3 (per-step importance) needs attention vLLM does not expose
-            queue_size=int(os.environ.get("SPARSEETY_QUEUE_SIZE", "4096")),
-            kv_endpoint=os.environ.get("SPARSEETY_KV_EVENTS") or None,
-        )
-
-
 class Observer:
     """One per process; created by :func:`observer` when vLLM first reports to the plugin."""
 
     def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or parse_settings()
+        if self.settings.message:
+            log.warning(self.settings.message)
         self.model = "unknown"
         self.config: dict[str, Any] = {}
         self.has_stat_logger = False
@@ -144,9 +131,13 @@ class Observer:
                                                   daemon=True)
             self._chunk_thread.start()
         if self.settings.trace_dir:
-            from sparseety.store import TraceWriter
+            try:
+                from sparseety.store import TraceWriter
 
-            self.writer = TraceWriter(self.settings.trace_dir, queue_size=self.settings.queue_size)
+                self.writer = TraceWriter(self.settings.trace_dir, queue_size=self.settings.queue_size)
+            except Exception as e:  # e.g. a store another version wrote: vLLM serves on, untraced
+                log.warning("sparseety: cannot open the trace store in SPARSEETY_TRACE_DIR=%r (%s: %s); "
+                            "tracing is off", self.settings.trace_dir, type(e).__name__, e)
         atexit.register(self.close)
 
     # -- set-up from vLLM's config (stat logger) ------------------------------------------------------
@@ -158,7 +149,12 @@ class Observer:
         endpoint = self.settings.kv_endpoint or kv_endpoint
         if endpoint and endpoint != "off" and self.subscriber is None:
             address, bind = subscriber_endpoint(endpoint)
-            self.subscriber = KVEventSubscriber(address, self.index, bind=bind).start()
+            subscriber = KVEventSubscriber(address, self.index, bind=bind).start()
+            if subscriber.error is None:
+                self.subscriber = subscriber
+            else:
+                log.warning("sparseety: cannot subscribe to KV events at %s (%s); prefix-cache blocks are "
+                            "not recorded", address, subscriber.error)
         self.start()
 
     def start(self) -> None:
@@ -447,6 +443,12 @@ class Observer:
             self.writer.flush(timeout=10)
 
     def close(self) -> None:
+        try:
+            self._close()
+        except Exception:
+            log.exception("sparseety: closing the observer failed")
+
+    def _close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()

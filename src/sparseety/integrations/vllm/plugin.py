@@ -4,7 +4,9 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
 them more than once; :func:`register` patches vLLM's ``OutputProcessor`` and ``Scheduler`` classes once
 per process. Only the API-server process runs an ``OutputProcessor`` and only the engine core schedules,
 so each hook fires where it belongs. Each hook calls vLLM's own method first and then hands on what it
-needs; an observer error is logged, never raised.
+needs; an observer error is logged, never raised (:func:`.hooks.guarded`). Each hook first checks that
+the method it wraps exists with the parameters it was written for (:func:`.hooks.expect`); if not, that
+hook alone is off, with one warning.
 
 The scheduler hook sees what the frontend never does: each prefill chunk (a prompt prefilled over
 several steps, ``--max-num-batched-tokens``). It sends ``[request id, first position, tokens]`` per chunk
@@ -15,13 +17,18 @@ observer's PULL socket in the API server. The first process to register picks th
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
+from typing import Any
+
+from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
 
 log = logging.getLogger("sparseety.vllm")
-_PATCHED = "_sparseety_patched"
 CHANNEL_ENV = "SPARSEETY_VLLM_CHANNEL"
 
 
@@ -34,42 +41,92 @@ def channel() -> str:
 
 
 def register() -> None:
-    """Install the hooks (idempotent)."""
-    channel()
-    _patch_scheduler()
+    """Install the hooks (idempotent, never raising). A hook whose vLLM internal is missing or changed
+    is off, with one warning (in the first process that registers; the processes it starts stay quiet)."""
+    try:
+        loud = CHANNEL_ENV not in os.environ
+        channel()
+        _patch_scheduler(loud)
+        _patch_output_processor(loud)
+    except Exception:
+        log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
+
+
+def _installed(owner: Any, attr: str) -> bool:
+    return getattr(inspect.getattr_static(owner, attr, None), MARK, None) is not None
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    """Parameter ``name`` (the ``index``-th after ``self``) of a call vLLM made."""
+    return args[index] if len(args) > index else kwargs[name]
+
+
+def _install(owner: Any, attr: str, hook: str, original: Callable, wrapper: Callable) -> None:
+    """Put ``wrapper`` (which passes vLLM's call through to ``original`` unchanged) in place."""
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARK, hook)
+    setattr(owner, attr, wrapper)
+
+
+def _patch_output_processor(loud: bool) -> None:
+    """``preemptions`` and ``finished-requests``: the frontend's per-output loop (API-server process)."""
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except ImportError:
+        for hook in ("preemptions", "finished-requests"):
+            hook_off(hook, "vllm.v1.engine.output_processor.OutputProcessor", loud=loud)
+        return
+    if not _installed(OutputProcessor, "_update_stats_from_output"):
+        _patch_preemptions(OutputProcessor, loud)
+    if not _installed(OutputProcessor, "_update_stats_from_finished"):
+        _patch_finished(OutputProcessor, loud)
+
+
+def _patch_preemptions(cls: Any, loud: bool) -> None:
     try:
         from vllm.v1.engine import EngineCoreEventType
-        from vllm.v1.engine.output_processor import OutputProcessor
-    except ImportError:  # a vLLM without the v1 frontend: metrics from the stat logger only
-        log.warning("sparseety: vLLM's v1 OutputProcessor not found; per-request tracing is off")
-        return
-    if getattr(OutputProcessor, _PATCHED, False):
-        return
-    preempted = EngineCoreEventType.PREEMPTED
-    update_from_output = OutputProcessor._update_stats_from_output
-    update_from_finished = OutputProcessor._update_stats_from_finished
 
-    def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
-        update_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)
-        events = engine_core_output.events
+        preempted = EngineCoreEventType.PREEMPTED
+    except (ImportError, AttributeError):
+        hook_off("preemptions", "vllm.v1.engine.EngineCoreEventType.PREEMPTED", loud=loud)
+        return
+    original = expect(cls, "_update_stats_from_output",
+                      ("req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats"),
+                      "preemptions", loud=loud)
+    if original is None:
+        return
+
+    def on_events(events: Any, args: tuple, kwargs: dict) -> None:
+        for event in events:
+            if event.type == preempted:
+                _observer().on_preempted(_arg(args, kwargs, 0, "req_state"))
+
+    def _update_stats_from_output(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        output = args[1] if len(args) > 1 else kwargs.get("engine_core_output")
+        events = getattr(output, "events", None)  # per output and step: nothing more unless it has events
         if events:
-            try:
-                for event in events:
-                    if event.type == preempted:
-                        _observer().on_preempted(req_state)
-            except Exception:
-                log.exception("sparseety: preemption hook failed")
+            guarded("preemptions", on_events, events, args, kwargs)
+        return result
 
-    def _update_stats_from_finished(self, req_state, finish_reason, iteration_stats):
-        update_from_finished(self, req_state, finish_reason, iteration_stats)
-        try:
-            _observer().on_finished(req_state, finish_reason)
-        except Exception:
-            log.exception("sparseety: finished-request hook failed")
+    _install(cls, "_update_stats_from_output", "preemptions", original, _update_stats_from_output)
 
-    OutputProcessor._update_stats_from_output = _update_stats_from_output
-    OutputProcessor._update_stats_from_finished = _update_stats_from_finished
-    setattr(OutputProcessor, _PATCHED, True)
+
+def _patch_finished(cls: Any, loud: bool) -> None:
+    original = expect(cls, "_update_stats_from_finished", ("req_state", "finish_reason", "iteration_stats"),
+                      "finished-requests", loud=loud)
+    if original is None:
+        return
+
+    def on_finished(args: tuple, kwargs: dict) -> None:
+        _observer().on_finished(_arg(args, kwargs, 0, "req_state"), _arg(args, kwargs, 1, "finish_reason"))
+
+    def _update_stats_from_finished(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        guarded("finished-requests", on_finished, args, kwargs)
+        return result
+
+    _install(cls, "_update_stats_from_finished", "finished-requests", original, _update_stats_from_finished)
 
 
 def _observer():
@@ -101,37 +158,47 @@ class _ChunkSender:
 
 
 _SENDER: _ChunkSender | None = None
+_SENDER_TRIED = False
 
 
-def _patch_scheduler() -> None:
+def _patch_scheduler(loud: bool) -> None:
+    """``prefill-chunks``: the scheduler's per-step bookkeeping (engine-core process)."""
     try:
         from vllm.v1.core.sched.scheduler import Scheduler
     except ImportError:
+        hook_off("prefill-chunks", "vllm.v1.core.sched.scheduler.Scheduler", loud=loud)
         return
-    if getattr(Scheduler, _PATCHED, False):
+    if _installed(Scheduler, "_update_after_schedule"):
         return
-    update_after_schedule = Scheduler._update_after_schedule
+    original = expect(Scheduler, "_update_after_schedule", ("scheduler_output",), "prefill-chunks", loud=loud)
+    if original is None:
+        return
 
-    def _update_after_schedule(self, scheduler_output):
+    def chunks_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
         chunks = []
-        try:
-            for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                request = self.requests[req_id]
-                start = request.num_computed_tokens  # before vLLM advances it below
-                if start < request.num_prompt_tokens:
-                    chunks.append([req_id, start, min(n, request.num_prompt_tokens - start)])
-        except Exception:
-            log.exception("sparseety: prefill-chunk hook failed")
-            chunks = []
-        update_after_schedule(self, scheduler_output)
-        if chunks:
-            global _SENDER
-            try:
-                if _SENDER is None:
-                    _SENDER = _ChunkSender()
-                _SENDER.send(chunks)
-            except Exception:
-                log.exception("sparseety: sending prefill chunks failed")
+        for req_id, n in _arg(args, kwargs, 0, "scheduler_output").num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            start = request.num_computed_tokens  # before vLLM advances it below
+            if start < request.num_prompt_tokens:
+                chunks.append([req_id, start, min(n, request.num_prompt_tokens - start)])
+        return chunks
 
-    Scheduler._update_after_schedule = _update_after_schedule
-    setattr(Scheduler, _PATCHED, True)
+    def _update_after_schedule(self, *args, **kwargs):
+        chunks = guarded("prefill-chunks", chunks_of, self, args, kwargs)
+        result = original(self, *args, **kwargs)
+        if chunks:
+            guarded("prefill-chunks", _send, chunks)
+        return result
+
+    _install(Scheduler, "_update_after_schedule", "prefill-chunks", original, _update_after_schedule)
+
+
+def _send(chunks: list[list]) -> None:
+    """Send on the channel, opened on first use (tried once: a channel that cannot open stays shut)."""
+    global _SENDER, _SENDER_TRIED
+    if _SENDER is None:
+        if _SENDER_TRIED:
+            return
+        _SENDER_TRIED = True
+        _SENDER = _ChunkSender()
+    _SENDER.send(chunks)

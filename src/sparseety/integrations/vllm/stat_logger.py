@@ -6,36 +6,77 @@ The finished requests' ``FinishedRequestStats`` (finish reason, ``num_cached_tok
 queue/prefill/decode times) are joined to what the output hooks captured; the ``sparseety:`` metric
 families live in the process's default Prometheus registry, which vLLM's own ``/metrics`` serves.
 
-This module imports vLLM (the base class); the rest of the package does not.
+The ``stat-logger`` hook checks vLLM's ``StatLoggerBase`` at import: when its ``__init__`` or ``record``
+no longer take the parameters used here, the class stays a valid, inert stat logger (one warning; the
+output hooks then write the traces without vLLM's timings). Nothing here raises into vLLM: the
+constructor and :meth:`record` are guarded. This module imports vLLM (the base class); the rest of the
+package does not.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from vllm.v1.metrics.loggers import StatLoggerBase
+from sparseety.integrations.vllm.hooks import expect, guarded, hook_off, vllm_version
 
-from sparseety.integrations.vllm.observer import observer
+log = logging.getLogger("sparseety.vllm")
+
+try:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+except ImportError:  # vLLM skips a stat-logger plugin that fails to load, and serves on
+    hook_off("stat-logger", "vllm.v1.metrics.loggers.StatLoggerBase")
+    raise
+
+
+
+def _interface_ok() -> bool:
+    """Whether ``StatLoggerBase`` still takes what this class passes on (one warning for the first miss)."""
+    for attr, params in (("__init__", ("vllm_config", "engine_index")),
+                         ("record", ("scheduler_stats", "iteration_stats"))):
+        if expect(StatLoggerBase, attr, params, "stat-logger", prefix=True) is None:
+            return False
+    return True
+
+
+INTERFACE_OK = _interface_ok()
+
+
+def kv_endpoint(vllm_config: Any) -> str | None:
+    """The ZMQ endpoint vLLM publishes KV events on (None when it publishes none, or its config changed)."""
+    kv_events = getattr(vllm_config, "kv_events_config", None)
+    if kv_events is None:
+        return None
+    fields = ("enable_kv_cache_events", "publisher", "endpoint")
+    missing = [f for f in fields if not hasattr(kv_events, f)]
+    if missing:
+        hook_off("kv-events", f"{type(kv_events).__name__}.{missing[0]}")
+        return None
+    if kv_events.enable_kv_cache_events and kv_events.publisher == "zmq":
+        return str(kv_events.endpoint)
+    return None
 
 
 class SparseetyStatLogger(StatLoggerBase):
     """Feeds vLLM's per-step stats to the SparSEEty observer."""
 
-    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+    def __init__(self, vllm_config: Any, engine_index: int = 0, *args: Any, **kwargs: Any) -> None:
         self.engine_index = engine_index
-        self.observer = observer()
-        self.observer.has_stat_logger = True
+        self.observer: Any = None
+        if INTERFACE_OK:
+            guarded("stat-logger", self._configure, vllm_config)
+
+    def _configure(self, vllm_config: Any) -> None:
+        from sparseety.integrations.vllm.observer import observer
+
+        obs = observer()
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
-        spec = vllm_config.speculative_config
-        kv_events = vllm_config.kv_events_config
-        endpoint = None
-        if kv_events is not None and kv_events.enable_kv_cache_events and kv_events.publisher == "zmq":
-            endpoint = kv_events.endpoint
-        self.observer.configure(
+        spec = getattr(vllm_config, "speculative_config", None)
+        obs.configure(
             model=str(model_config.served_model_name or model_config.model),
             block_size=cache_config.block_size if cache_config.enable_prefix_caching else None,
-            kv_endpoint=endpoint,
+            kv_endpoint=kv_endpoint(vllm_config),
             config={
                 "block_size": cache_config.block_size,
                 "enable_prefix_caching": bool(cache_config.enable_prefix_caching),
@@ -45,15 +86,36 @@ class SparseetyStatLogger(StatLoggerBase):
                 "dtype": str(model_config.dtype).removeprefix("torch."),
             },
         )
+        obs.has_stat_logger = True  # only once configured: else the output hooks write records alone
+        self.observer = obs
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-               engine_idx: int = 0) -> None:
-        if scheduler_stats is not None and scheduler_stats.prefix_cache_stats is not None:
-            self.observer.on_prefix_cache_stats(scheduler_stats.prefix_cache_stats)
+    def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+        if self.observer is not None:
+            guarded("stat-logger", self._record, scheduler_stats, iteration_stats)
+
+    def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        prefix_cache_stats = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if prefix_cache_stats is not None:
+            self.observer.on_prefix_cache_stats(prefix_cache_stats)
         if iteration_stats is None:
             return
         for finished in iteration_stats.finished_requests:
             self.observer.on_finished_stats(finished)
 
-    def log_engine_initialized(self) -> None:
+    def log_engine_initialized(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _fill_abstract(cls: type) -> None:
+    """Make ``cls`` instantiable if vLLM added abstract methods to ``StatLoggerBase``: they do nothing."""
+    names = sorted(getattr(cls, "__abstractmethods__", ()))
+    if not names:
+        return
+    for name in names:
+        setattr(cls, name, lambda self, *args, **kwargs: None)
+    cls.__abstractmethods__ = frozenset()
+    log.info("sparseety: vLLM %s's StatLoggerBase asks for %s; SparSEEty's stat logger does nothing there",
+             vllm_version(), ", ".join(names))
+
+
+_fill_abstract(SparseetyStatLogger)

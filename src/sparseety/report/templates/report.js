@@ -205,7 +205,8 @@ function traceReport() {
   const marked = {}; for (const [name, list] of Object.entries(D.marks || {})) marked[name] = new Set(list);
   const MARK_TEXT = [["cached", "prefill skipped: KV served from the prefix cache"],
                      ["recomputed", "KV freed by a preemption, computed again"],
-                     ["rejected", "a speculative draft proposed here was rejected"]];
+                     ["rejected", "a speculative draft proposed here was rejected"],
+                     ["sink", "attention sink: left out of the rankings and of the shading scale"]];
   const spans = [];
 
   function layerName(l) { return l < 0 ? "all layers" : `layer ${l}`; }
@@ -276,12 +277,13 @@ function traceReport() {
     if (!spans.length) return;
     const row = layer + 1;
     let max = 0;
-    if (imp) for (let p = 0; p < N; p++) { const v = imp.data[row * N + p]; if (v > max) max = v; }
+    const sinks = marked.sink || new Set();  /* attention sinks: the scale is set without them */
+    if (imp) for (let p = 0; p < N; p++) { const v = imp.data[row * N + p]; if (v > max && !sinks.has(p)) max = v; }
     layerMax = max;
     for (let p = 0; p < N; p++) {
       const s = spans[p];
       const v = imp ? imp.data[row * N + p] : NaN;
-      s.style.background = Number.isNaN(v) || max <= 0 ? "" : `rgba(${getHeat()},${Math.sqrt(v / max).toFixed(3)})`;
+      s.style.background = Number.isNaN(v) || max <= 0 || sinks.has(p) ? "" : `rgba(${getHeat()},${Math.sqrt(v / max).toFixed(3)})`;
       let evAll = false, evPart = false;
       if (T) {
         if (layer >= 0) { const i = layer * N + p; evAll = full.data[i] !== NEVER; evPart = !evAll && first.data[i] !== NEVER; }
@@ -488,6 +490,23 @@ function rulerReport() {
   D.tasks.forEach((t, i) => q(`.task-body-${i}`).append(heatTable(t.grid, "policy", "compression ratio", pct)));
   q(".kv-body").append(heatTable(D.kv_fraction, "policy", "compression ratio", (v) => v.toFixed(3)));
 }
+function faithfulnessReport() {
+  const t = q(".aopc");
+  t.append(el("tr", {}, ...["ranking", "AOPC comprehensiveness (nats)", "of leave-one-out", "AOPC sufficiency (nats)"].map((h) => el("th", {text: h}))));
+  const f2 = (v) => v === null || v === undefined ? "—" : Number(v).toFixed(2);
+  for (const r of D.table) t.append(el("tr", {}, el("td", {text: r.method}), el("td", {class: "num", text: f2(r.aopc_comprehensiveness)}),
+    el("td", {class: "num", text: f2(r.of_leave_one_out)}), el("td", {class: "num", text: f2(r.aopc_sufficiency)})));
+  for (const [key, body, title] of [["comprehensiveness", ".comp-body", "comprehensiveness: top k% deleted"], ["sufficiency", ".suff-body", "sufficiency: only top k% kept"]])
+    q(body).append(lineChart({series: D.table.map((r) => ({name: r.method, xs: D.percents, ys: r[key]})), xLabel: `% of prompt tokens (${title})`,
+      yLabel: "drop of log p(answer)", width: 1000, height: 280}));
+  const box = q(".top5-body");
+  for (const c of D.top5) {
+    const tt = el("table", {class: "data top5"});
+    tt.append(el("tr", {}, el("th", {text: "mode"}), ...[1, 2, 3, 4, 5].map((i) => el("th", {text: `#${i}`}))));
+    for (const [mode, toks] of Object.entries(c.tokens)) tt.append(el("tr", {}, el("td", {text: mode}), ...toks.map((x) => el("td", {class: "tok-cell", text: JSON.stringify(x)}))));
+    box.append(el("h3", {text: `${c.title} — answer ${JSON.stringify(c.answer)}`}), tt);
+  }
+}
 function tuneReport() {
   const c = D.curve;
   q(".tune-body").append(lineChart({series: [{name: D.metric || "value", xs: c.map((p) => p.budget), ys: c.map((p) => p.value), color: "#2b6cb0",
@@ -504,7 +523,7 @@ function tuneReport() {
 }
 
 try {
-  if (D.kind === "trace") traceReport(); else if (D.kind === "passkey") passkeyReport(); else if (D.kind === "ruler") rulerReport(); else if (D.kind === "tune") tuneReport();
+  if (D.kind === "trace") traceReport(); else if (D.kind === "passkey") passkeyReport(); else if (D.kind === "ruler") rulerReport(); else if (D.kind === "faithfulness") faithfulnessReport(); else if (D.kind === "tune") tuneReport();
   root.setAttribute("data-ready-ms", performance.now().toFixed(1));
   root.setAttribute("data-ready", "1");
 } catch (err) {

@@ -1,0 +1,66 @@
+"""Regenerate the shipped ``--importance learned`` weights of the default model.
+
+Training text is never what ``bench faithfulness`` evaluates on (six licence texts under
+/usr/share/common-licenses): it is the long module docstrings of the Python standard library plus the
+two licence texts that are not variants of the evaluated ones (BSD, CC0-1.0). The docstrings are
+written to ``--texts-dir`` and handed to ``sparseety learn-importance``.
+
+    python scripts/train_head_weights.py            # writes src/sparseety/extract/weights/smollm2-135m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ("re", "configparser", "turtle", "sys", "wave", "statistics", "csv", "cmd", "argparse", "json",
+           "socket", "timeit", "hashlib", "pydoc", "copy", "heapq")
+LICENCES = (Path("/usr/share/common-licenses/BSD"), Path("/usr/share/common-licenses/CC0-1.0"))
+
+
+def write_texts(folder: Path, modules: tuple[str, ...] = MODULES) -> list[Path]:
+    """One file per module docstring (and the licence texts that exist): the training passages."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in modules:
+        doc = inspect.getdoc(importlib.import_module(name)) or ""
+        path = folder / f"doc-{name}.txt"
+        path.write_text(doc + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths + [p for p in LICENCES if p.is_file()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--out", type=Path, default=ROOT / "src/sparseety/extract/weights/smollm2-135m.json")
+    parser.add_argument("--texts-dir", type=Path, default=ROOT / "benchmarks/results/head_weights/texts")
+    parser.add_argument("--count", type=int, default=10, help="Docstring modules used (the first N of MODULES).")
+    parser.add_argument("--ablations", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    texts = write_texts(args.texts_dir, MODULES[: args.count])
+    command = [str(Path(sys.executable).with_name("sparseety")), "learn-importance", *map(str, texts),
+               "-o", str(args.out), "--model", args.model, "--ablations", str(args.ablations)]
+    if args.threads is not None:
+        command += ["--threads", str(args.threads)]
+    print(" ".join(command), file=sys.stderr, flush=True)
+    code = subprocess.call(command)
+    if code == 0:  # name the texts, not this machine's paths
+        document = json.loads(args.out.read_text(encoding="utf-8"))
+        document["provenance"]["texts"] = [f"stdlib docstring {Path(t).stem[4:]}" if Path(t).name.startswith("doc-")
+                                           else t for t in document["provenance"]["texts"]]
+        document["provenance"]["regenerate"] = f"python scripts/train_head_weights.py --count {args.count} " \
+                                               f"--ablations {args.ablations}"
+        args.out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Held-out prompts of ``bench faithfulness``: a passage of real text plus a question.
+
+By default the passages come from the licence texts under ``/usr/share/common-licenses`` (text that
+ships on the machine, never used to tune anything): one passage per file, from the file's middle,
+cut at a line start to about ``tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from sparseety.errors import InputError
+
+LICENSES = Path("/usr/share/common-licenses")
+DEFAULT_FILES = ("Apache-2.0", "Artistic", "GFDL-1.3", "GPL-3", "LGPL-2.1", "MPL-2.0")
+QUESTION = "\n\nQuestion: What is the passage above about?\nAnswer:"
+
+
+def default_texts() -> list[Path]:
+    """The default passage files that exist on this machine."""
+    return [LICENSES / name for name in DEFAULT_FILES if (LICENSES / name).is_file()]
+
+
+def make_prompts(files: Sequence[Path], encode: Callable[[str], list[int]], tokens: int = 125,
+                 question: str = QUESTION) -> list[tuple[str, list[int]]]:
+    """``(title, ids)`` per file: about ``tokens`` tokens of its text from its middle, then ``question``."""
+    if tokens < 8:
+        raise InputError(f"--tokens must be at least 8, got {tokens}")
+    prompts = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise InputError(f"cannot read --text {path}: {exc}") from None
+        lines = text.splitlines(keepends=True)
+        start = len(lines) // 2
+        passage = ""
+        for line in lines[start:]:
+            if len(encode(passage + line)) > tokens:
+                break
+            passage += line
+        if len(encode(passage)) < tokens // 2:  # long lines: cut by words
+            words = "".join(lines[start:]).split()
+            passage = " ".join(words[: max(1, tokens * 3 // 4)])
+        if not passage.strip():
+            raise InputError(f"--text {path}: no text to make a passage of")
+        prompts.append((path.name, encode(passage.strip() + question)))
+    return prompts

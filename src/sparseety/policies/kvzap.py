@@ -1,0 +1,144 @@
+"""``kvzap``: KVzap (Jegou et al., 2026, arXiv 2601.07891; kvpress's ``KVzapPress``): KVzip at prefill cost.
+
+A surrogate per layer (:mod:`sparseety.policies.kvzap_model`, linear or a two-layer MLP) reads the
+hidden states that enter the layer's attention block and predicts, per token and KV head, the log
+KVzip+ score the token would get from KVzip's reconstruction pass (``sparseety learn-policy --target
+kvzip`` trains it). No extra pass: a token is scored once, when it is written, so decoding evicts too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from sparseety.errors import ConfigError
+from sparseety.policies.base import ModelInfo, Observation, Policy, Signal, check_positive_int, protect, recent_mask
+from sparseety.policies.kvzap_model import SURROGATES, TRAIN_HINT, Surrogate, load_surrogate
+from sparseety.policies.learned_model import check_trained_for, shipped_file
+
+
+@dataclass
+class KVzapPolicy(Policy):
+    """Keep the slots whose predicted log KVzip+ score is highest (``--budget``/``--ratio``) or above ``threshold``.
+
+    Every slot keeps the score its token got when it was written (the policy's per-slot state, compacted
+    with the cache). The first ``sinks`` positions are always kept; the newest ``window`` positions are
+    kept while decoding, and in threshold mode at prefill too (DMS-style).
+
+    Threshold mode (``threshold=T``, no budget): after each step every KV head of a layer keeps the same
+    count, the most slots any of its heads scores at ``T`` or above (protected slots included), so a
+    slot below ``T`` is evicted unless its layer's busiest head needs the room. ``max_kept=N`` caps that
+    count; admission reserves ``N`` slots per layer, or the dense size without a cap. The kept fraction
+    of each layer (slots held / tokens seen at the end) is recorded in the trace as ``kept_fraction``.
+
+    ``model`` names a surrogate file; without it the one shipped for the run's model (by fingerprint,
+    ``policies/weights/kvzap-<surrogate>-<model>.safetensors``) is used. A file trained for another
+    model is refused.
+
+    Shapes: ``hidden`` ``[b, r, D]`` (the last ``r`` slots' tokens); scores and state ``[b, kv_heads, n]``.
+    """
+
+    name: ClassVar[str] = "kvzap"
+    summary: ClassVar[str] = "a per-layer surrogate on the hidden states predicts KVzip+ scores, no extra pass (KVzap)"
+    prefill_signal: ClassVar[Signal] = Signal.NONE
+    decode_signal: ClassVar[Signal] = Signal.NONE
+    needs_hidden: ClassVar[bool] = True
+
+    model: str = ""
+    surrogate: str = "linear"
+    threshold: float | None = None
+    max_kept: int = 0
+    sinks: int = 4
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._surrogate: Surrogate | None = None  # not a dataclass field: not an option
+        self._source = self.model
+        if self.surrogate not in SURROGATES:
+            raise ConfigError(f"kvzap: surrogate must be one of {', '.join(SURROGATES)}, got {self.surrogate!r}")
+        if isinstance(self.threshold, str):
+            try:
+                self.threshold = float(self.threshold) if self.threshold.strip() else None
+            except ValueError:
+                raise ConfigError(f"kvzap: threshold must be a number (a log KVzip+ score, e.g. -4), "
+                                  f"got {self.threshold!r}") from None
+        if self.threshold is not None and (not isinstance(self.threshold, (int, float)) or self.threshold != self.threshold):
+            raise ConfigError(f"kvzap: threshold must be a number, got {self.threshold!r}")
+        check_positive_int(self.name, "max_kept", self.max_kept, minimum=0)
+        check_positive_int(self.name, "sinks", self.sinks, minimum=0)
+        check_positive_int(self.name, "window", self.window, minimum=0)
+        if self.threshold is not None and self.budget is not None:
+            raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
+                              "threshold run with max_kept=N")
+        if self.threshold is None and self.max_kept:
+            raise ConfigError("kvzap: max_kept caps a threshold run; with a budget, the budget is the cap")
+        if self.model:
+            self._surrogate = load_surrogate(self.model)
+            self._check_kind(self._surrogate, self.model)
+
+    @classmethod
+    def needs_budget(cls, options: dict[str, Any]) -> bool:
+        return options.get("threshold") in (None, "")
+
+    def params(self) -> dict[str, object]:
+        out: dict[str, object] = {"model": self.model, "surrogate": self.surrogate, "threshold": self.threshold,
+                                  "max_kept": self.max_kept, "sinks": self.sinks, "window": self.window}
+        if self._surrogate is not None:
+            out["surrogate_file"] = self._source
+            out["trained_for"] = self._surrogate.model
+            out["model_fingerprint"] = self._surrogate.model_fingerprint
+        return out
+
+    def _check_kind(self, surrogate: Surrogate, source: str) -> None:
+        if surrogate.kind != self.surrogate:
+            raise ConfigError(f"kvzap: {source} holds a {surrogate.kind} surrogate, but surrogate={self.surrogate}")
+
+    def bind(self, model: ModelInfo) -> None:
+        """Use the shipped surrogate of ``model`` when none was given; refuse one trained for another model."""
+        if not self.model:
+            path = shipped_file(f"kvzap-{self.surrogate}-", model)
+            if path is None:
+                raise ConfigError(f"kvzap: no surrogate file given, and no {self.surrogate} surrogate ships for "
+                                  f"model {model.name!r} (fingerprint {model.fingerprint()}); pass --policy-opt "
+                                  f"model=FILE (written by `{TRAIN_HINT}`)")
+            self._surrogate, self._source = load_surrogate(path), f"the shipped {path.name}"
+        surrogate = self.surrogate_model
+        check_trained_for("kvzap", self._source, surrogate.model, surrogate.model_fingerprint, model)
+        if (surrogate.num_layers, surrogate.kv_heads) != (model.num_layers, model.kv_heads):
+            raise ConfigError(f"kvzap: {self._source} has {surrogate.num_layers} layers x {surrogate.kv_heads} KV "
+                              f"heads, the model {model.num_layers} x {model.kv_heads}")
+
+    @property
+    def surrogate_model(self) -> Surrogate:
+        if self._surrogate is None:
+            raise ConfigError(f"kvzap: no surrogate loaded (the policy is bound to a model first); pass --policy-opt "
+                              f"model=FILE (written by `{TRAIN_HINT}`)")
+        return self._surrogate
+
+    def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
+        return self.budget if self.threshold is None else (self.max_kept or None)
+
+    def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = obs.positions.shape[-1]
+        state = obs.state.clone() if obs.state is not None else torch.zeros(obs.positions.shape, device=obs.positions.device)
+        if obs.hidden is not None and obs.hidden.shape[1]:
+            rows = obs.hidden[:, -n:]
+            surrogate = self.surrogate_model
+            if rows.shape[-1] != surrogate.hidden_size:
+                raise ConfigError(f"kvzap: the surrogate reads hidden size {surrogate.hidden_size}, the model's "
+                                  f"layer {obs.layer} gives {rows.shape[-1]}")
+            state[..., n - rows.shape[1]:] = surrogate(obs.layer, rows).to(state.device)
+        protected = obs.positions < self.sinks
+        if self.threshold is not None:
+            protected |= recent_mask(obs.positions, self.window)
+        elif not obs.prefill:  # as kvzip: the answer being written is never cut
+            protected |= recent_mask(obs.positions, min(self.window, self.budget or 0))
+        return protect(state, protected), state
+
+    def keep_count(self, scores: torch.Tensor) -> int | None:
+        if self.threshold is None:
+            return None
+        return max(1, int((scores >= self.threshold).sum(dim=-1).amax()))

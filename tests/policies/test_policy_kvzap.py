@@ -1,0 +1,287 @@
+"""The ``kvzap`` policy: its surrogate's scores against an independent computation on a tiny model (prefill
+and decode tokens), the threshold mode's kept sets, the surrogate file's round trip and refusals,
+``learn-policy --target kvzip`` end to end, and the shipped files on the default model."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+
+from tiny_models import build_model, build_tokenizer, prompt_ids  # noqa: E402
+
+from sparseety.analysis.learn_kvzap import kept_recall, kvzip_plus, spearman  # noqa: E402
+from sparseety.cli import app  # noqa: E402
+from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
+from sparseety.errors import ConfigError  # noqa: E402
+from sparseety.models.fingerprint import model_fingerprint  # noqa: E402
+from sparseety.policies import build_policy  # noqa: E402
+from sparseety.policies.base import ModelInfo  # noqa: E402
+from sparseety.policies.kvzap_model import Surrogate, read_surrogate  # noqa: E402
+from sparseety.policies.learned_model import WEIGHTS_DIR  # noqa: E402
+
+LAYERS, HIDDEN, KV = 4, 64, 2
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A wrapped tiny llama and an identical never-wrapped reference build."""
+    return SparseEngine(build_model("llama"), build_tokenizer(), model_name="tiny-llama"), build_model("llama")
+
+
+def surrogate(fingerprint: str, hidden: int = 0, model: str = "tiny-llama", layers: int = LAYERS,
+              seed: int = 0) -> Surrogate:
+    g = torch.Generator().manual_seed(seed)
+    width = hidden or HIDDEN
+    return Surrogate(w1=torch.randn(layers, HIDDEN, hidden, generator=g) / 8, b1=torch.randn(layers, hidden, generator=g),
+                     w2=torch.randn(layers, width, KV, generator=g) / 8, b2=torch.randn(layers, KV, generator=g),
+                     model=model, model_fingerprint=fingerprint, provenance={"seed": seed})
+
+
+@pytest.fixture(scope="module")
+def files(tiny, tmp_path_factory):
+    """Linear and MLP surrogate files trained (randomly) for the tiny llama."""
+    root = tmp_path_factory.mktemp("kvzap")
+    fp = model_fingerprint(tiny[0].model)
+    return {"linear": surrogate(fp).save(root / "linear.safetensors"),
+            "mlp": surrogate(fp, hidden=5, seed=1).save(root / "mlp.safetensors")}
+
+
+def independent_scores(reference: torch.nn.Module, ids: list[int], s: Surrogate) -> list[np.ndarray]:
+    """Per layer ``[n, K]`` float64: the surrogate applied to the attention input (input_layernorm of the
+    residual stream) of a plain forward over ``ids``; GELU written out from erf."""
+    with torch.no_grad():
+        out = reference(torch.tensor([ids]), output_hidden_states=True)
+        scores = []
+        for layer in range(LAYERS):
+            x = reference.model.layers[layer].input_layernorm(out.hidden_states[layer])[0].double()
+            if s.w1.shape[-1]:
+                z = x @ s.w1[layer].double() + s.b1[layer].double()
+                x = 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+            scores.append((x @ s.w2[layer].double() + s.b2[layer].double()).numpy())
+    return scores
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind):
+    engine, reference = tiny
+    ids = prompt_ids(60, seed=3)
+    policy = build_policy("kvzap", 30, {"model": str(files[kind]), "surrogate": kind, "window": "4"})
+    result = engine.generate(EncodedInput(ids), policy, max_new_tokens=12, tier=1)
+    expected = independent_scores(reference, result.token_ids, read_surrogate(files[kind]))
+    a = result.arrays
+    # a prompt token's hidden states come from the dense prefill; a decoded token's, past layer 0 (the
+    # embeddings), from attention over the compressed cache, which the dense reference does not see
+    comparable = (a["evicted.position"] < 60) | (a["evicted.layer"] == 0)
+    got = np.array([expected[layer][pos, head] for layer, head, pos in
+                    zip(a["evicted.layer"][comparable], a["evicted.kv_head"][comparable],
+                        a["evicted.position"][comparable])])
+    np.testing.assert_allclose(a["evicted.score"][comparable].astype(np.float64), got, rtol=1e-4, atol=1e-4)
+    decoded = comparable & (a["evicted.position"] >= 60)
+    assert decoded.any(), "a token written while decoding was scored and evicted"
+    prefill = a["evicted.step"] == 0
+    for layer in range(LAYERS):  # the prefill evicts each head's 30 lowest of the non-sink positions
+        for head in range(KV):
+            sel = prefill & (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
+            order = 4 + np.argsort(expected[layer][4:60, head], kind="stable")
+            assert sorted(a["evicted.position"][sel].tolist()) == sorted(order[:30].tolist())
+
+
+def expected_threshold_kept(scores: np.ndarray, threshold: float, sinks: int, window: int,
+                            cap: int | None) -> tuple[list[set[int]], int]:
+    """Per head the kept positions of one prefill in threshold mode, and the count each head keeps."""
+    n = scores.shape[0]
+    protected = (np.arange(n) < sinks) | (np.arange(n) > n - 1 - window)
+    s = np.where(protected[:, None], np.inf, scores)
+    count = max(1, int((s >= threshold).sum(axis=0).max()))
+    count = min(count, cap) if cap else count
+    kept = [set(np.lexsort((np.arange(n), -s[:, h]))[:count].tolist()) for h in range(s.shape[1])]
+    return kept, count
+
+
+@pytest.mark.parametrize("cap", [0, 10])
+def test_threshold_mode_keeps_what_scores_above_it(tiny, files, cap):
+    engine, reference = tiny
+    ids = prompt_ids(70, seed=5)
+    s = read_surrogate(files["linear"])
+    expected = independent_scores(reference, ids[0].tolist(), s)
+    values = np.unique(np.concatenate([e.reshape(-1) for e in expected]))
+    threshold = float(values[len(values) // 2 - 1: len(values) // 2 + 1].mean())  # halfway between two scores
+    options = {"model": str(files["linear"]), "threshold": str(threshold), "window": "6", "max_kept": str(cap)}
+    result = engine.generate(EncodedInput(ids), build_policy("kvzap", None, options), max_new_tokens=1, tier=2)
+    fractions = []
+    for layer in range(LAYERS):
+        kept, count = expected_threshold_kept(expected[layer], threshold, 4, 6, cap)
+        for head in range(KV):
+            assert set(result.kept_positions_final[str(layer)][str(head)]) == kept[head], (layer, head)
+        fractions.append(count / 70)
+    np.testing.assert_allclose(result.arrays["kept_fraction"], fractions, rtol=1e-6)
+    assert any(f < 1 for f in fractions)
+    if cap:
+        assert all(len(heads) == cap for layer in result.kept_positions_final.values() for heads in layer.values())
+
+
+def test_threshold_admission_reserves_the_cap_or_the_dense_size(tiny, files):
+    engine, _ = tiny
+    e = EncodedInput(prompt_ids(50, seed=1))
+    opts = {"model": str(files["linear"]), "threshold": "-1"}
+    dense = engine.reserved_kv_bytes(e, build_policy("dense"), 8)
+    assert engine.reserved_kv_bytes(e, build_policy("kvzap", None, opts), 8) == dense
+    capped = engine.reserved_kv_bytes(e, build_policy("kvzap", None, {**opts, "max_kept": "12"}), 8)
+    assert capped == engine.reserved_kv_bytes(e, build_policy("streaming", 12), 8) < dense
+
+
+def test_option_errors_name_the_field_and_value(files):
+    path = str(files["linear"])
+    with pytest.raises(ConfigError, match="either threshold= or a budget"):
+        build_policy("kvzap", 16, {"model": path, "threshold": "-4"})
+    with pytest.raises(ConfigError, match=r"threshold must be a number .* got 'low'"):
+        build_policy("kvzap", None, {"model": path, "threshold": "low"})
+    with pytest.raises(ConfigError, match="needs --budget N or --ratio R"):
+        build_policy("kvzap", None, {"model": path})
+    with pytest.raises(ConfigError, match="max_kept caps a threshold run"):
+        build_policy("kvzap", 16, {"model": path, "max_kept": "8"})
+    with pytest.raises(ConfigError, match="surrogate must be one of linear, mlp, got 'tree'"):
+        build_policy("kvzap", 16, {"surrogate": "tree"})
+    with pytest.raises(ConfigError, match="holds a linear surrogate, but surrogate=mlp"):
+        build_policy("kvzap", 16, {"model": path, "surrogate": "mlp"})
+
+
+def info(name: str = "tiny-a", fingerprint: str = "sha256:aaaa", layers: int = LAYERS) -> ModelInfo:
+    return ModelInfo(name=name, num_layers=layers, kv_heads=KV, head_dim=16, vocab_size=160,
+                     fingerprint=lambda: fingerprint)
+
+
+@pytest.mark.parametrize("hidden", [0, 3])
+def test_surrogate_file_round_trips(tmp_path, hidden):
+    s = surrogate("sha256:aaaa", hidden=hidden, model="tiny-a")
+    back = read_surrogate(s.save(tmp_path / "s.safetensors"))
+    for name, tensor in s.tensors().items():
+        assert torch.equal(getattr(back, name), tensor), name
+    assert back.metadata() == s.metadata() and back.kind == ("mlp" if hidden else "linear")
+    x = torch.randn(1, 7, HIDDEN)
+    torch.testing.assert_close(back(2, x), s(2, x), rtol=0, atol=0)
+    assert back(2, x).shape == (1, KV, 7)
+
+
+def test_refuses_other_models_and_damaged_missing_or_foreign_files(tmp_path):
+    path = surrogate("sha256:aaaa", model="tiny-a").save(tmp_path / "s.safetensors")
+    policy = build_policy("kvzap", 8, {"model": str(path)})
+    policy.bind(info())
+    with pytest.raises(ConfigError) as err:
+        policy.bind(info(name="tiny-b", fingerprint="sha256:bbbb"))
+    assert all(word in str(err.value) for word in ("kvzap:", "tiny-a", "tiny-b", "sha256:aaaa", "sha256:bbbb"))
+    with pytest.raises(ConfigError, match="has 4 layers x 2 KV heads, the model 3 x 2"):
+        policy.bind(info(layers=3))
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_policy("kvzap", 8, {"model": str(tmp_path / "nope.safetensors")})
+    good = path.read_bytes()
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ConfigError, match="kvzap: .* not a readable predictor file"):
+        build_policy("kvzap", 8, {"model": str(torn)})
+    from safetensors.torch import save_file
+
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w1": torch.zeros(3)}, str(foreign), metadata={"format": "sparseety-learned-policy"})
+    with pytest.raises(ConfigError, match="not a kvzap-policy file"):
+        build_policy("kvzap", 8, {"model": str(foreign)})
+    bent = tmp_path / "bent.safetensors"
+    t = surrogate("sha256:aaaa").tensors()
+    save_file({**t, "b2": torch.zeros(LAYERS, KV + 1)}, str(bent), metadata=surrogate("sha256:aaaa").metadata())
+    with pytest.raises(ConfigError, match="are not \\[L, D, H\\]"):
+        build_policy("kvzap", 8, {"model": str(bent)})
+    with pytest.raises(ConfigError, match="no surrogate file given, and no linear surrogate ships for model 'tiny-a'"):
+        build_policy("kvzap", 8).bind(info())
+
+
+def test_kvzip_plus_on_constructed_tensors():
+    """One KV head, two query heads, two rows over 3 context slots + the rows' own 2 (causal)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 2, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g)
+    hid = torch.randn(2, 6, generator=g)
+    wo = torch.randn(6, 8, generator=g)  # [D, heads * d]
+    grams = torch.stack([wo[:, h * 4:(h + 1) * 4].T @ wo[:, h * 4:(h + 1) * 4] for h in range(2)]).unsqueeze(0)
+    got = kvzip_plus(q, k, v, hid, grams, 0.5, 0, 3)
+    best = torch.full((3,), -1.0)
+    for h in range(2):
+        for t in range(2):
+            logits = (k[0, 0, : 3 + t + 1] @ q[0, h, t]) * 0.5
+            a = torch.softmax(logits, 0)[:3]
+            wov = (v[0, 0, :3] @ wo[:, h * 4:(h + 1) * 4].T).norm(dim=-1)
+            best = torch.maximum(best, a * wov / hid[t].norm())
+    torch.testing.assert_close(got, best.log().unsqueeze(0), rtol=1e-5, atol=1e-6)
+    assert spearman(torch.tensor([1.0, 2, 3]), torch.tensor([10.0, 20, 30])) == pytest.approx(1.0)
+    assert kept_recall(torch.tensor([[1.0, 2, 3, 4]]), torch.tensor([[4.0, 3, 2, 1]])) == 0.0
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_learn_policy_target_kvzip_then_run_kvzap(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    build_model("llama").save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    words = [f"t{4 + (i * 7) % 150}" for i in range(48)]
+    for i in range(4):
+        done = invoke("run", "--model", str(folder), "--prompt", " ".join(words[i:] + words[:i]), "--no-chat",
+                      "--policy", "dense", "--tier", "1", "--force-trace", "--max-new-tokens", "2",
+                      "--trace-dir", str(tmp_path / "traces"), "--no-report", "--json")
+        assert done.exit_code == 0, done.output
+    out = tmp_path / "kvzap.safetensors"
+    done = invoke("learn-policy", str(tmp_path / "traces"), "-o", str(out), "--target", "kvzip",
+                  "--text-source", "tiny words", "--json")
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.output)
+    assert [row["layer"] for row in report["heldout"]] == list(range(LAYERS))
+    assert all(-1 <= row["spearman"] <= 1 and 0 <= row["recall@0.5"] <= 1 for row in report["heldout"])
+    s = read_surrogate(out)
+    assert s.kind == "linear" and s.provenance["text_source"] == "tiny words" and len(s.provenance["heldout_request_ids"]) == 1
+    done = invoke("run", "--model", str(folder), "--prompt", " ".join(words), "--no-chat", "--policy", "kvzap",
+                  "--budget", "20", "--policy-opt", f"model={out}", "--max-new-tokens", "3", "--json")
+    assert done.exit_code == 0, done.output
+    assert json.JSONDecoder().raw_decode(done.output)[0]["sparsity"]["evicted_positions"] > 0
+    done = invoke("learn-policy", str(tmp_path / "traces"), "-o", str(out), "--target", "kv")
+    assert done.exit_code == 2 and "error: --target must be attention or kvzip, got 'kv'" in done.output
+
+
+@pytest.mark.model
+def test_run_policy_kvzap_with_no_path_uses_the_shipped_surrogate(tmp_path):
+    assert (WEIGHTS_DIR / "kvzap-linear-smollm2-135m.safetensors").is_file()
+    text = " ".join(f"Sentence {i} of the document says nothing of note." for i in range(20))
+    done = CliRunner().invoke(app, ["run", "--prompt", text, "--policy", "kvzap", "--ratio", "0.5", "--max-new-tokens",
+                                    "4", "--trace-dir", str(tmp_path / "t"), "--no-report", "--json"])
+    assert done.exit_code == 0, done.output
+    sparsity = json.JSONDecoder().raw_decode(done.output)[0]["sparsity"]
+    assert sparsity["params"]["trained_for"] == "smollm2-135m" and sparsity["evicted_positions"] > 0
+    assert sparsity["params"]["surrogate_file"] == "the shipped kvzap-linear-smollm2-135m.safetensors"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("policy", ["kvzap", "learned"])
+def test_shipped_files_find_a_pass_key_on_the_default_model(smollm_engine, policy):
+    from sparseety.engine import encode_document
+
+    text = " ".join(f"Sentence {i} of the document says nothing of note." for i in range(30))
+    encoded = encode_document(smollm_engine.tokenizer, text + " The pass key is 4821. Remember it.",
+                              "What is the pass key?", None)
+    result = smollm_engine.generate(encoded, build_policy(policy, encoded.compress_len // 2), max_new_tokens=14, tier=1)
+    assert result.params["trained_for"] == "smollm2-135m" and result.evicted_positions > 0
+    assert "4821" in result.text
