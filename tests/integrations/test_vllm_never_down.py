@@ -139,7 +139,9 @@ HOOKS = textwrap.dedent('''
 
     PATCHED = {"preemptions": (OutputProcessor, "_update_stats_from_output"),
                "finished-requests": (OutputProcessor, "_update_stats_from_finished"),
-               "prefill-chunks": (Scheduler, "_update_after_schedule")}
+               "prefill-chunks": (Scheduler, "_update_after_schedule"),
+               "drafts": (Scheduler, "update_from_output"),
+               "kv-blocks": (Scheduler, "_free_request_blocks")}
     ORIGINAL = {hook: vars(cls)[attr] for hook, (cls, attr) in PATCHED.items()}
 
     def restore():
@@ -158,6 +160,11 @@ HOOKS = textwrap.dedent('''
     OUT = "OutputProcessor._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)"
     FIN = "OutputProcessor._update_stats_from_finished(req_state, finish_reason, iteration_stats)"
     SCHED = "Scheduler._update_after_schedule(scheduler_output)"
+    DRAFTS = "Scheduler.update_from_output(scheduler_output, model_runner_output)"
+    BLOCKS = "Scheduler._free_request_blocks(request)"
+
+    def changed_update(self, scheduler_output, runner_output):
+        pass
 
     def changed(self, req_state, reason):
         pass
@@ -171,6 +178,10 @@ HOOKS = textwrap.dedent('''
         ("finished-requests", lambda: delattr(OutputProcessor, "_update_stats_from_finished"),
          off("finished-requests", FIN)),
         ("prefill-chunks", lambda: delattr(Scheduler, "_update_after_schedule"), off("prefill-chunks", SCHED)),
+        ("drafts", lambda: delattr(Scheduler, "update_from_output"), off("drafts", DRAFTS)),
+        ("drafts", lambda: setattr(Scheduler, "update_from_output", changed_update),
+         off("drafts", DRAFTS + " (it has update_from_output(self, scheduler_output, runner_output))")),
+        ("kv-blocks", lambda: delattr(Scheduler, "_free_request_blocks"), off("kv-blocks", BLOCKS)),
         ("finished-requests", lambda: setattr(OutputProcessor, "_update_stats_from_finished", changed),
          off("finished-requests", FIN + " (it has _update_stats_from_finished(self, req_state, reason))")),
         ("preemptions", lambda: setattr(engine_pkg, "EngineCoreEventType", NoPreempted),
@@ -194,7 +205,8 @@ HOOKS = textwrap.dedent('''
     sys.modules["vllm.v1.core.sched.scheduler"] = None  # import fails
     plugin.register()
     sys.modules["vllm.v1.core.sched.scheduler"] = scheduler_module
-    assert seen == [off("prefill-chunks", "vllm.v1.core.sched.scheduler.Scheduler")], seen
+    assert seen == [off(hook, "vllm.v1.core.sched.scheduler.Scheduler")
+                    for hook in ("prefill-chunks", "drafts", "kv-blocks")], seen
     assert installed() == {"preemptions", "finished-requests"}, installed()
 
     # processes the first one starts (the channel already chosen) stay quiet
@@ -202,7 +214,7 @@ HOOKS = textwrap.dedent('''
     os.environ[plugin.CHANNEL_ENV] = "ipc:///tmp/sparseety-test-quiet.sock"
     delattr(Scheduler, "_update_after_schedule")
     plugin.register()
-    assert seen == [] and installed() == {"preemptions", "finished-requests"}, seen
+    assert seen == [] and installed() == set(PATCHED) - {"prefill-chunks"}, seen
 
     # a hook that fails at run time: vLLM's own method ran and returned, one log line, later ones counted
     restore()

@@ -36,12 +36,13 @@ def hook_off(hook: str, missing: str, *, loud: bool = True) -> None:
 
 
 def expect(owner: Any, attr: str, params: tuple[str, ...], hook: str, *, prefix: bool = False,
-           loud: bool = True) -> Callable | None:
+           concrete: bool = False, loud: bool = True) -> Callable | None:
     """``owner.attr`` when it is a function whose parameters after ``self`` are ``params`` (or begin
-    with them, with ``prefix``); otherwise None, after :func:`hook_off`."""
+    with them, with ``prefix``), and with ``concrete`` not an abstract stub an interface declares (a
+    method a hook wraps rather than overrides); otherwise None, after :func:`hook_off`."""
     fn = inspect.getattr_static(owner, attr, None)
     want = f"{owner.__name__}.{attr}({', '.join(params)}{', ...' if prefix else ''})"
-    if not inspect.isfunction(fn):
+    if not inspect.isfunction(fn) or (concrete and getattr(fn, "__isabstractmethod__", False)):
         hook_off(hook, want, loud=loud)
         return None
     try:

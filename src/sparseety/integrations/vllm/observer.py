@@ -17,8 +17,13 @@ Data flow (nothing here waits on vLLM's loop, and vLLM's loop never waits on it)
 Environment: ``SPARSEETY_TRACE_DIR`` (no store without it; metrics still count), ``SPARSEETY_SAMPLE_RATE``
 (share of requests kept above tier 1, default 1), ``SPARSEETY_TIER`` (1: counts and timings; 2, the
 default: ids and token events), ``SPARSEETY_KV_EVENTS`` (the KV-event endpoint to subscribe to;
-default: the one vLLM's ``--kv-events-config`` publishes on, ``off`` to skip), ``SPARSEETY_QUEUE_SIZE``;
+default: the one vLLM's ``--kv-events-config`` publishes on, ``off`` to skip), ``SPARSEETY_QUEUE_SIZE``,
+``SPARSEETY_REDACT`` and ``SPARSEETY_IDS_ONLY`` (as ``sparseety run --redact`` / ``--ids-only``);
 parsed by :func:`.settings.parse_settings`. A bad one is logged in one line and turns tracing off.
+
+At tier 2 the worker thread decodes each stored token's text with the served model's tokenizer (loaded
+there on first use, never on vLLM's loop; not at all when ids-only). Records name the model by vLLM's
+served model name (``--served-model-name``, else the model argument); the path is in provenance.
 
 Nothing here may raise into vLLM: the hooks and the stat logger call in through guarded entry points
 that log a hook's first failure (with its traceback) and count the rest (:func:`.hooks.guarded`).
@@ -44,7 +49,14 @@ from sparseety.integrations.vllm.kv_events import (
     subscriber_endpoint,
 )
 from sparseety.integrations.vllm.metrics import metrics
-from sparseety.integrations.vllm.record import ENGINE, KV_POLICY, EventGroup, VllmRun, draft_arrays
+from sparseety.integrations.vllm.record import (
+    ENGINE,
+    KV_POLICY,
+    EventGroup,
+    VllmRun,
+    draft_arrays,
+    draft_identity_arrays,
+)
 from sparseety.integrations.vllm.settings import Settings, parse_settings
 
 log = logging.getLogger("sparseety.vllm")
@@ -103,6 +115,9 @@ class Observer:
         if self.settings.message:
             log.warning(self.settings.message)
         self.model = "unknown"
+        self.tokenizer_path: str | None = None
+        self._tokenizer: Any = None  #: loaded on first use, in the worker thread; False when it cannot load
+        self._token_text: dict[int, str] = {}
         self.config: dict[str, Any] = {}
         self.has_stat_logger = False
         self.block_size: int | None = None
@@ -123,6 +138,8 @@ class Observer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._chunks: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
+        self._drafts: OrderedDict[str, list[tuple[int, int, list[int], int]]] = OrderedDict()
+        self._kv_held: OrderedDict[str, list[int]] = OrderedDict()  #: request -> [peak bytes, peak blocks]
         self.dropped_chunks = 0
         self._chunk_thread: threading.Thread | None = None
         self._channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
@@ -134,7 +151,8 @@ class Observer:
             try:
                 from sparseety.store import TraceWriter
 
-                self.writer = TraceWriter(self.settings.trace_dir, queue_size=self.settings.queue_size)
+                self.writer = TraceWriter(self.settings.trace_dir, queue_size=self.settings.queue_size,
+                                          redact=self.settings.redact, ids_only=self.settings.ids_only)
             except Exception as e:  # e.g. a store another version wrote: vLLM serves on, untraced
                 log.warning("sparseety: cannot open the trace store in SPARSEETY_TRACE_DIR=%r (%s: %s); "
                             "tracing is off", self.settings.trace_dir, type(e).__name__, e)
@@ -142,8 +160,10 @@ class Observer:
 
     # -- set-up from vLLM's config (stat logger) ------------------------------------------------------
     def configure(self, *, model: str, block_size: int | None, kv_endpoint: str | None,
-                  config: dict[str, Any]) -> None:
+                  config: dict[str, Any], tokenizer: str | None = None) -> None:
+        """``model``: the served model name; ``tokenizer``: where vLLM loaded its tokenizer from (token texts)."""
         self.model = model
+        self.tokenizer_path = tokenizer
         self.block_size = block_size
         self.config = config
         endpoint = self.settings.kv_endpoint or kv_endpoint
@@ -244,20 +264,16 @@ class Observer:
         except zmq.ZMQError:
             log.exception("sparseety: cannot bind the prefill-chunk channel %s", self._channel)
             return
-        decode = msgspec.msgpack.Decoder(list[tuple[str, int, int]]).decode
-        limit = 4 * self.settings.queue_size
+        decode = msgspec.msgpack.Decoder(tuple[str, list]).decode
+        handlers = {"chunk": self._on_chunks, "draft": self._on_drafts, "kv": self._on_kv_blocks}
         try:
             while not self._stop.is_set():
                 if not sock.poll(100):
                     continue
-                for req_id, start, n in decode(sock.recv()):
-                    chunks = self._chunks.get(req_id)
-                    if chunks is None:
-                        if len(self._chunks) >= limit:
-                            self._chunks.popitem(last=False)
-                            self.dropped_chunks += 1
-                        chunks = self._chunks[req_id] = []
-                    chunks.append((start, n))
+                kind, records = decode(sock.recv())
+                handler = handlers.get(kind)
+                if handler is not None:
+                    handler(records)
         except Exception:
             log.exception("sparseety: prefill-chunk receiver stopped")
         finally:
@@ -267,6 +283,32 @@ class Observer:
                     os.unlink(self._channel[len("ipc://"):])
                 except OSError:
                     pass
+
+    def _per_request(self, table: OrderedDict, req_id: str, empty: Any) -> Any:
+        """``table[req_id]``, created (``empty()``) if absent; the oldest request is dropped beyond the bound."""
+        entry = table.get(req_id)
+        if entry is None:
+            if len(table) >= 4 * self.settings.queue_size:
+                table.popitem(last=False)
+                self.dropped_chunks += 1
+            entry = table[req_id] = empty()
+        return entry
+
+    def _on_chunks(self, records: list) -> None:
+        for req_id, start, n in records:
+            self._per_request(self._chunks, req_id, list).append((int(start), int(n)))
+
+    def _on_drafts(self, records: list) -> None:
+        """``[request id, step, first position, draft ids, accepted]`` per verify step (``drafts`` hook)."""
+        for req_id, step, position, draft_ids, accepted in records:
+            self._per_request(self._drafts, req_id, list).append(
+                (int(step), int(position), [int(t) for t in draft_ids], int(accepted)))
+
+    def _on_kv_blocks(self, records: list) -> None:
+        """``[request id, bytes, blocks]`` when vLLM freed a request's blocks (``kv-blocks`` hook): the peak."""
+        for req_id, nbytes, blocks in records:
+            held = self._per_request(self._kv_held, req_id, lambda: [0, 0])
+            held[0], held[1] = max(held[0], int(nbytes)), max(held[1], int(blocks))
 
     # -- worker thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -326,6 +368,8 @@ class Observer:
             blocks = self.index.prompt_blocks(c.prompt_ids, self.block_size)
             self.index.mark_used(blocks, c.request_id)
         chunks = self._chunks.pop(c.internal_id, [])
+        drafts = self._drafts.pop(c.internal_id, [])
+        held = self._kv_held.pop(c.internal_id, None)
         sequence = c.prompt_ids + c.output_ids
         if tier >= 2:
             if chunks:
@@ -347,7 +391,9 @@ class Observer:
             for kind, group in (("cached", cached), ("kv_stored", stored), ("recomputed", recomputed_group)):
                 if len(group):
                     arrays.update(group.arrays(kind))
-            if c.per_step_drafted is not None and c.per_step_accepted is not None:
+            if drafts:
+                arrays.update(draft_identity_arrays(drafts))
+            elif c.per_step_drafted is not None and c.per_step_accepted is not None:
                 arrays.update(draft_arrays(c.per_step_drafted, c.per_step_accepted))
         vllm_info = {
             "num_cached_tokens": c.num_cached_tokens,
@@ -366,6 +412,8 @@ class Observer:
             "prefix_cache_blocks": [hash_text(b.block_hash) for b in blocks],
             "prefill_chunks": [[start, n] for start, n in chunks] if self._channel else None,
             "block_size": self.block_size,
+            "kv_blocks_held": held[1] if held else None,
+            "draft_ids_recorded": bool(drafts),
         }
         run = VllmRun(
             request_id=c.request_id,
@@ -375,7 +423,9 @@ class Observer:
             tier=tier,
             text=c.text,
             params={"engine": ENGINE, **self.config},
-            skipped_events=c.num_cached_tokens,
+            kv_cache_bytes_peak=held[0] if held else None,
+            kv_cache_bytes_dense=held[0] if held else None,
+            token_texts=self._texts(sequence) if tier >= 2 else [],
             draft_tokens=c.num_draft_tokens,
             draft_rejected=c.num_draft_tokens - c.num_accepted_tokens,
             prefill_s=c.timings.get("prefill_s", 0.0),
@@ -385,6 +435,29 @@ class Observer:
             vllm=vllm_info,
         )
         self._submit(run, {"vllm": vllm_info})
+
+    def _texts(self, token_ids: list[int]) -> list[str]:
+        """The text of each token (decoded one by one, as SparSEEty's own engine does), in the worker
+        thread, never on vLLM's loop; empty when the trace is ids-only or the tokenizer cannot load."""
+        if self.settings.ids_only or not token_ids:
+            return []
+        if self._tokenizer is None:
+            self._tokenizer = False
+            if self.tokenizer_path:
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                except Exception as e:
+                    log.warning("sparseety: cannot load the tokenizer at %r (%s: %s); traces keep token ids "
+                                "without texts", self.tokenizer_path, type(e).__name__, e)
+        if self._tokenizer is False:
+            return []
+        known = self._token_text
+        missing = sorted({int(t) for t in token_ids} - known.keys())
+        if missing:
+            known.update(zip(missing, self._tokenizer.batch_decode([[t] for t in missing]), strict=True))
+        return [known[int(t)] for t in token_ids]
 
     def _record_window(self) -> None:
         changes, self._window = self._window, []

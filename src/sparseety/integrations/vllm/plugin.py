@@ -8,11 +8,20 @@ needs; an observer error is logged, never raised (:func:`.hooks.guarded`). Each 
 the method it wraps exists with the parameters it was written for (:func:`.hooks.expect`); if not, that
 hook alone is off, with one warning.
 
-The scheduler hook sees what the frontend never does: each prefill chunk (a prompt prefilled over
-several steps, ``--max-num-batched-tokens``). It sends ``[request id, first position, tokens]`` per chunk
-over a ZMQ PUSH socket (non-blocking, bounded; what does not fit is dropped and counted) to the
-observer's PULL socket in the API server. The first process to register picks the channel
-(``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and the processes it spawns inherit it.
+The scheduler hooks see what the frontend never does, and send it over a ZMQ PUSH socket
+(non-blocking, bounded; what does not fit is dropped and counted) to the observer's PULL socket in the
+API server, one ``[kind, records]`` message per step and kind:
+
+- ``prefill-chunks`` (``chunk``): ``[request id, first position, tokens]`` per prefill chunk (a prompt
+  prefilled over several steps, ``--max-num-batched-tokens``);
+- ``drafts`` (``draft``): ``[request id, step, first position, draft ids, accepted]`` per request and
+  verify step of speculative decoding: the drafts vLLM verified, where they stand in the sequence, and how
+  many of them (a prefix) the target model accepted;
+- ``kv-blocks`` (``kv``): ``[request id, bytes, blocks]`` when vLLM frees a request's KV blocks (it
+  finished, or was preempted): the KV-cache bytes of the blocks it held.
+
+The first process to register picks the channel (``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and
+the processes it spawns inherit it.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ def register() -> None:
         loud = CHANNEL_ENV not in os.environ
         channel()
         _patch_scheduler(loud)
+        _patch_drafts(loud)
+        _patch_kv_blocks(loud)
         _patch_output_processor(loud)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
@@ -150,11 +161,11 @@ class _ChunkSender:
         self._encode = msgspec.msgpack.Encoder().encode
         self.dropped = 0
 
-    def send(self, chunks: list[list]) -> None:
+    def send(self, kind: str, records: list[list]) -> None:
         try:
-            self._socket.send(self._encode(chunks), self._zmq.NOBLOCK)
+            self._socket.send(self._encode([kind, records]), self._zmq.NOBLOCK)
         except self._zmq.Again:
-            self.dropped += len(chunks)
+            self.dropped += len(records)
 
 
 _SENDER: _ChunkSender | None = None
@@ -187,13 +198,13 @@ def _patch_scheduler(loud: bool) -> None:
         chunks = guarded("prefill-chunks", chunks_of, self, args, kwargs)
         result = original(self, *args, **kwargs)
         if chunks:
-            guarded("prefill-chunks", _send, chunks)
+            guarded("prefill-chunks", _send, "chunk", chunks)
         return result
 
     _install(Scheduler, "_update_after_schedule", "prefill-chunks", original, _update_after_schedule)
 
 
-def _send(chunks: list[list]) -> None:
+def _send(kind: str, records: list[list]) -> None:
     """Send on the channel, opened on first use (tried once: a channel that cannot open stays shut)."""
     global _SENDER, _SENDER_TRIED
     if _SENDER is None:
@@ -201,4 +212,104 @@ def _send(chunks: list[list]) -> None:
             return
         _SENDER_TRIED = True
         _SENDER = _ChunkSender()
-    _SENDER.send(chunks)
+    _SENDER.send(kind, records)
+
+
+def _scheduler_class(hook: str, loud: bool) -> Any:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        hook_off(hook, "vllm.v1.core.sched.scheduler.Scheduler", loud=loud)
+        return None
+    return Scheduler
+
+
+def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> list[list]:
+    """``[request id, step, first position, draft ids, accepted]`` for each request that verified drafts in
+    this step, read before vLLM's ``update_from_output`` appends the step's tokens.
+
+    The drafts follow the request's last token: the first one stands at position ``request.num_tokens``
+    (prompt plus output so far), ``step`` is the number of output tokens before this step (a decode
+    step's index, as in SparSEEty's own engine). The target model accepted the first ``accepted`` drafts
+    (its sampled ids minus the one token it samples itself), the rule vLLM's bookkeeping uses; requests
+    vLLM skips there (finished, aborted, stale after a preemption, no sampled ids) are skipped here too.
+    """
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if not spec:
+        return []
+    sampled = model_runner_output.sampled_token_ids
+    if not sampled:
+        return []
+    index = model_runner_output.req_id_to_index
+    per_step = getattr(scheduler, "num_sampled_tokens_per_step", 1)
+    records = []
+    for req_id, draft_ids in spec.items():
+        request = scheduler.requests.get(req_id)
+        if not draft_ids or request is None or request.is_finished():
+            continue
+        if getattr(request, "num_stale_output_tokens", 0) > 0 and getattr(request, "drop_stale_output", False):
+            continue
+        row = index.get(req_id)
+        if row is None or row >= len(sampled) or not len(sampled[row]):
+            continue
+        accepted = max(len(sampled[row]) - per_step, 0)
+        records.append([req_id, int(request.num_output_tokens), int(request.num_tokens),
+                        [int(t) for t in draft_ids], int(accepted)])
+    return records
+
+
+def _patch_drafts(loud: bool) -> None:
+    """``drafts``: the speculative drafts each verify step checked, with ids and positions (engine core)."""
+    Scheduler = _scheduler_class("drafts", loud)
+    if Scheduler is None or _installed(Scheduler, "update_from_output"):
+        return
+    original = expect(Scheduler, "update_from_output", ("scheduler_output", "model_runner_output"), "drafts",
+                      concrete=True, loud=loud)
+    if original is None:
+        return
+
+    def on_step(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+        scheduler_output = _arg(args, kwargs, 0, "scheduler_output")
+        if not scheduler_output.scheduled_spec_decode_tokens:  # no speculative decoding: one dict check
+            return []
+        return drafts_of(scheduler, scheduler_output, _arg(args, kwargs, 1, "model_runner_output"))
+
+    def update_from_output(self, *args, **kwargs):
+        drafts = guarded("drafts", on_step, self, args, kwargs)
+        result = original(self, *args, **kwargs)
+        if drafts:
+            guarded("drafts", _send, "draft", drafts)
+        return result
+
+    _install(Scheduler, "update_from_output", "drafts", original, update_from_output)
+
+
+def blocks_of(scheduler: Any, request: Any) -> list[list]:
+    """``[[request id, bytes, blocks]]``: the KV-cache blocks ``request`` holds now and their bytes (per KV
+    cache group: its blocks times its page size times its layers), from vLLM's own block tables."""
+    config = scheduler.kv_cache_config
+    per_group = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    nbytes = blocks = 0
+    for group, ids in zip(config.kv_cache_groups, per_group, strict=False):
+        blocks += len(ids)
+        nbytes += len(ids) * int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    return [[request.request_id, nbytes, blocks]] if blocks else []
+
+
+def _patch_kv_blocks(loud: bool) -> None:
+    """``kv-blocks``: the KV bytes a request held, read when vLLM frees its blocks (engine core)."""
+    Scheduler = _scheduler_class("kv-blocks", loud)
+    if Scheduler is None or _installed(Scheduler, "_free_request_blocks"):
+        return
+    original = expect(Scheduler, "_free_request_blocks", ("request",), "kv-blocks", concrete=True, loud=loud)
+    if original is None:
+        return
+
+    def _free_request_blocks(self, *args, **kwargs):
+        held = guarded("kv-blocks", blocks_of, self, _arg(args, kwargs, 0, "request"))
+        result = original(self, *args, **kwargs)
+        if held:
+            guarded("kv-blocks", _send, "kv", held)
+        return result
+
+    _install(Scheduler, "_free_request_blocks", "kv-blocks", original, _free_request_blocks)

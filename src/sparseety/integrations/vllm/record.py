@@ -21,9 +21,20 @@ block across all of them):
   cache until they are reused, so part of them may be read back rather than recomputed; how many tokens
   resumed requests really prefilled again is ``sparseety:preempted_recomputed_tokens`` (from vLLM's
   prefix-cache stats, which it keeps for all requests together, not per request);
-- ``draft_accepted`` / ``draft_rejected``: speculative draft tokens per verify step (``step``), from
-  vLLM's per-request detailed spec-decode metrics; vLLM reports counts per step, not the draft
-  token ids or positions, so those columns are -1.
+- ``draft_accepted`` / ``draft_rejected``: speculative draft tokens, one row per drafted token (stored
+  from the arrays ``drafted.{step,position,token_id,rejected}``, as SparSEEty's own engine stores its
+  ``--speculative`` drafts). With the ``drafts`` hook (the engine core's ``Scheduler.update_from_output``)
+  each row has the draft's real ``position`` in the request's sequence and its ``token_id``; ``step`` is
+  the decode step that verified it (output tokens before that step). Per verify step the accepted drafts
+  are a prefix of the step's drafts, and an accepted draft's id is the output token at its position.
+  Without that hook (off, or its messages dropped) the rows come from vLLM's per-request detailed
+  spec-decode counts (``step``: the verify step's index), and ``position`` and ``token_id`` are -1.
+
+``kv_cache_bytes_peak`` (and ``kv_cache_bytes_dense``: vLLM evicts nothing from a running request, so the
+same figure) is the KV-cache bytes of the blocks the request held when vLLM freed them (the ``kv-blocks``
+hook: blocks times page size times layers, per KV-cache group); None ("not reported") without that hook.
+``skipped_events`` is None: vLLM skips no attention; prompt tokens served from the prefix cache are
+``usage.prompt_tokens_details.cached_tokens`` and the ``cached`` events.
 
 A KV-window record (``policy`` ``vllm-prefix-cache``) holds ``kv_stored`` and ``kv_removed`` events for
 every block that entered or left the cache in the window: ``position`` is the token's position in the
@@ -60,8 +71,8 @@ class VllmRun:
     eviction_events: int | None = None
     skipped_events: int | None = None
     kept_positions_final: dict[str, dict[str, list[int]]] | None = None
-    kv_cache_bytes_peak: int = 0
-    kv_cache_bytes_dense: int = 0
+    kv_cache_bytes_peak: int | None = None  #: None: vLLM did not report the request's blocks
+    kv_cache_bytes_dense: int | None = None
     draft_tokens: int = 0
     draft_rejected: int = 0
     prefill_s: float = 0.0
@@ -156,3 +167,12 @@ def draft_arrays(per_step_drafted: list[int], per_step_accepted: list[int]) -> d
         "drafted.token_id": np.full(n, -1, dtype=np.int64),
         "drafted.rejected": np.asarray(rejected, dtype=np.int64),
     }
+
+
+def draft_identity_arrays(steps: list[tuple[int, int, list[int], int]]) -> dict[str, np.ndarray]:
+    """``drafted.{step,position,token_id,rejected}`` from verify steps ``(step, first position, draft ids,
+    accepted)``: the drafts of one step stand at consecutive positions, the first ``accepted`` accepted."""
+    rows = [(step, position + offset, token, int(offset >= accepted))
+            for step, position, draft_ids, accepted in steps for offset, token in enumerate(draft_ids)]
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    return {f"drafted.{name}": table[:, i] for i, name in enumerate(("step", "position", "token_id", "rejected"))}

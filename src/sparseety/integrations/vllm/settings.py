@@ -18,6 +18,8 @@ from dataclasses import dataclass
 TIERS = (1, 2, 3)  #: 3 records as 2 (vLLM's per-step importance is not captured yet)
 MAX_QUEUE = 1_000_000
 KV_SCHEMES = ("tcp://", "ipc://", "inproc://")
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Settings:
     tier: int = 2
     queue_size: int = 4096
     kv_endpoint: str | None = None  #: ``off``, an endpoint, or None: the one vLLM's config names
+    redact: bool = False  #: ``SPARSEETY_REDACT``: secrets in stored text become typed placeholders
+    ids_only: bool = False  #: ``SPARSEETY_IDS_ONLY``: token ids, no text at all (nothing is decoded)
     problems: tuple[str, ...] = ()
 
     @property
@@ -101,10 +105,20 @@ def parse_settings(env: Mapping[str, str] | None = None) -> Settings:
         bad("SPARSEETY_KV_EVENTS", kv_endpoint, "'off' or a tcp://, ipc:// or inproc:// endpoint")
         kv_endpoint = "off"
 
+    flags = {}
+    for var in ("SPARSEETY_REDACT", "SPARSEETY_IDS_ONLY"):
+        raw = env.get(var)
+        flags[var] = False
+        if raw is not None and raw.strip().lower() in TRUE:
+            flags[var] = True
+        elif raw is not None and raw.strip().lower() not in FALSE:
+            bad(var, raw, "one of " + ", ".join(TRUE + FALSE[1:]))
+
     trace_dir = env.get("SPARSEETY_TRACE_DIR") or None
     if trace_dir is not None:
         problem = check_trace_dir(trace_dir)
         if problem:
             problems.append(problem)
     return Settings(trace_dir=None if problems else trace_dir, sample_rate=sample_rate, tier=tier,
-                    queue_size=queue_size, kv_endpoint=kv_endpoint, problems=tuple(problems))
+                    queue_size=queue_size, kv_endpoint=kv_endpoint, redact=flags["SPARSEETY_REDACT"],
+                    ids_only=flags["SPARSEETY_IDS_ONLY"], problems=tuple(problems))

@@ -16,6 +16,7 @@ package does not.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from sparseety.integrations.vllm.hooks import expect, guarded, hook_off, vllm_version
@@ -57,6 +58,21 @@ def kv_endpoint(vllm_config: Any) -> str | None:
     return None
 
 
+def served_name(model_config: Any) -> str:
+    """The name clients use for the model: ``--served-model-name`` (vLLM's first one). Without it vLLM
+    serves the model argument itself; when that is a local directory, the trace names the model by the
+    directory's name (a Hugging Face cache snapshot by its repository id), not the whole path."""
+    name = str(model_config.served_model_name or model_config.model)
+    path = str(model_config.model)
+    if name != path or not os.path.isdir(path):
+        return name
+    parts = os.path.normpath(path).split(os.sep)
+    for part in parts:
+        if part.startswith("models--"):  # .../hub/models--ORG--NAME/snapshots/REVISION
+            return part.removeprefix("models--").replace("--", "/")
+    return parts[-1] or name
+
+
 class SparseetyStatLogger(StatLoggerBase):
     """Feeds vLLM's per-step stats to the SparSEEty observer."""
 
@@ -74,7 +90,8 @@ class SparseetyStatLogger(StatLoggerBase):
         cache_config = vllm_config.cache_config
         spec = getattr(vllm_config, "speculative_config", None)
         obs.configure(
-            model=str(model_config.served_model_name or model_config.model),
+            model=served_name(model_config),
+            tokenizer=str(getattr(model_config, "tokenizer", None) or model_config.model),
             block_size=cache_config.block_size if cache_config.enable_prefix_caching else None,
             kv_endpoint=kv_endpoint(vllm_config),
             config={
@@ -84,6 +101,7 @@ class SparseetyStatLogger(StatLoggerBase):
                 "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec else None,
                 "max_model_len": model_config.max_model_len,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
+                "model_path": str(model_config.model),
             },
         )
         obs.has_stat_logger = True  # only once configured: else the output hooks write records alone
