@@ -633,19 +633,17 @@ class RunContext:
         groups' mean) the score each slot at ``positions`` (same shape) got; ``attention`` (same shape, not
         in ``attention`` mode) the plain attention, kept for the sink rule."""
         seen = self.cache.layers[layer].seen
-        if attention is None:
-            self.importance, vector = self._accumulate(self.importance, layer, seen, positions, per_slot)
-        else:  # both rows in one scatter and one copy to the CPU
-            both = torch.stack([per_slot.float().reshape(-1), attention.float().reshape(-1)]).cpu()
-            where = positions.reshape(-1).cpu()
-            vectors = torch.zeros(2, seen, dtype=torch.float32).scatter_add_(1, where.expand(2, -1), both)
-            vectors /= self.kv_heads
-            self.importance = self._grown(self.importance, seen)
+        where = positions.reshape(-1).cpu()
+        row = per_slot.float().reshape(-1).cpu() / self.kv_heads
+        # added straight into the running totals (one index_add per row; a position held by several KV
+        # heads gets each head's share)
+        self.importance = self._grown(self.importance, seen)
+        self.importance[layer].index_add_(0, where, row)
+        if attention is not None:
             self.attention_importance = self._grown(self.attention_importance, seen)
-            self.importance[layer, :seen] += vectors[0]
-            self.attention_importance[layer, :seen] += vectors[1]
-            vector = vectors[0]
+            self.attention_importance[layer].index_add_(0, where, attention.float().reshape(-1).cpu() / self.kv_heads)
         if self.tier >= 3:
+            vector = torch.zeros(seen, dtype=torch.float32).index_add_(0, where, row)
             self.step_vectors[-1][layer, :seen] = vector.to(torch.float16)
 
     def _grown(self, total: torch.Tensor | None, seen: int) -> torch.Tensor:
@@ -656,17 +654,6 @@ class RunContext:
                 grown[:, : total.shape[1]] = total
             total = grown
         return total
-
-    def _accumulate(self, total: torch.Tensor | None, layer: int, seen: int, positions: torch.Tensor,
-                    per_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``total`` ``[layers, >= seen]`` (grown as needed) plus this row's ``[seen]`` vector, and the vector."""
-        per_slot = per_slot.float()
-        total = self._grown(total, seen)
-        vector = torch.zeros(seen, dtype=torch.float32)
-        vector.scatter_add_(0, positions.reshape(-1).cpu(), per_slot.reshape(-1).cpu())
-        vector /= self.kv_heads
-        total[layer, :seen] += vector
-        return total, vector
 
     def _record_skips(self, layer: int, positions: torch.Tensor, attended: torch.Tensor, skipped: int) -> None:
         self.skipped_count += skipped

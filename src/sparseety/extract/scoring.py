@@ -94,9 +94,41 @@ def score_row(row: torch.Tensor, norms: torch.Tensor | None, kv_heads: int | Non
     """``[..., kv_heads, n]``: :func:`head_scores` averaged over each KV group's query heads (``kv_heads``
     from ``norms``, or given, or one group per head)."""
     kv_heads = norms.shape[-3] if norms is not None else kv_heads or row.shape[-2]
+    lead, (h, n) = row.shape[:-2], row.shape[-2:]
+    if norms is not None and norms.shape[-1] == 1:  # one norm per slot, shared by the group: weigh the mean
+        mean = row.reshape(*lead, kv_heads, h // kv_heads, n).mean(dim=-2)
+        return mean * norms[..., 0].to(mean.dtype)
     scored = head_scores(row, norms)
-    lead, (h, n) = scored.shape[:-2], scored.shape[-2:]
     return scored.reshape(*lead, kv_heads, h // kv_heads, n).mean(dim=-2)
+
+
+def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float,
+              hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention probabilities of the last ``r`` new query rows (the step's newest queries): the rows the
+    engine's hook point and the vLLM capture (:mod:`sparseety.integrations.vllm.attention_capture`) score.
+
+    Parameters
+    ----------
+    query_rows : ``[b, heads, r, d]``, the last ``r`` rows of the step's queries.
+    key : ``[b, kv_heads, n, d]``.
+    hidden : ``[b, 1 or kv_heads, r, n]`` bool, keys these rows cannot see (a sliding window), or None.
+
+    Returns
+    -------
+    ``[b, heads, r, n]`` float32 probabilities, causally masked.
+    """
+    b, h, r, d = query_rows.shape
+    kvh, n = key.shape[1], key.shape[2]
+    # [b, kvh, g*r, d] @ [b, kvh, d, n]: one batched GEMM per KV head, no broadcast copies of the keys
+    grouped = query_rows.float().reshape(b, kvh, (h // kvh) * r, d)
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, kvh, h // kvh, r, n) * scaling
+    if r > 1:
+        rows = torch.arange(r, device=key.device).unsqueeze(1)
+        cols = torch.arange(n, device=key.device).unsqueeze(0)
+        logits = logits.masked_fill(cols > rows + (n - r), float("-inf"))
+    if hidden is not None:
+        logits = logits.masked_fill(hidden.unsqueeze(2), float("-inf"))
+    return torch.softmax(logits, dim=-1).reshape(b, h, r, n)
 
 
 def find_sinks(attention: torch.Tensor, scores: torch.Tensor | None) -> list[int]:
