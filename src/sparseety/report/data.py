@@ -114,7 +114,8 @@ def trace_view(trace: StoredTrace, *, layer: int | None = None) -> dict[str, Any
     if importance is None:
         view["notes"].append(f"Tier {trace.tier} trace: no importance scores (record at tier 2 or 3 to shade tokens).")
     if not texts and ids:
-        view["notes"].append("Token texts were not stored (ids-only trace): tokens show as ⟨id⟩.")
+        why = " (ids-only trace)" if document.get("ids_only") else ""
+        view["notes"].append(f"Token texts were not stored{why}: tokens show as ⟨id⟩.")
     return view
 
 
@@ -131,8 +132,9 @@ def token_marks(arrays: dict[str, np.ndarray], positions: int) -> dict[str, list
     """Positions to mark in the text view: ``cached`` (prefix-cache hits), ``recomputed`` (preemptions) and
     ``rejected`` (a rejected speculative draft at that position); None when the trace has none.
 
-    Reads ``cached.position``, ``recomputed.position`` and ``drafted.{position,rejected}`` (a vLLM
-    trace reports draft counts only: its draft positions are -1 and mark nothing).
+    Reads ``cached.position``, ``recomputed.position`` and ``drafted.{position,rejected}`` (the same for
+    SparSEEty's own ``--speculative`` runs and vLLM's; a vLLM trace recorded without the ``drafts`` hook
+    has draft positions -1, which mark nothing).
     """
     marks: dict[str, list[int]] = {}
     for mark, (prefix, _) in MARKS.items():
@@ -151,17 +153,26 @@ def summary(document: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
     sparsity = document.get("sparsity") or {}
     timings = document.get("timings") or {}
     peak, dense = sparsity.get("kv_cache_bytes_peak"), sparsity.get("kv_cache_bytes_dense")
-    memory = f"{_mib(peak)} of {_mib(dense)} dense" + (f" ({peak / dense:.1%})" if peak and dense else "")
+    if peak is None:  # e.g. a vLLM trace whose engine did not report the request's KV blocks
+        memory = "not reported"
+    else:
+        memory = f"{_mib(peak)} of {_mib(dense)} dense" + (f" ({peak / dense:.1%})" if peak and dense else "")
     rate = timings.get("decode_tokens_per_s")
+    vllm = (document.get("provenance") or {}).get("engine") == "vllm"
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    lifecycle: list[tuple[str, Any]] = [("evicted positions", sparsity.get("evicted_positions")),
+                                        ("eviction events", sparsity.get("eviction_events"))]
+    if not vllm:  # vLLM skips no attention: its prefix-cache hits are cached tokens, not skipped ones
+        lifecycle.append(("skipped (top-k, window)", sparsity.get("skipped_events")))
+    if cached is not None:
+        lifecycle.append(("cached prompt tokens (prefix cache)", cached))
+    lifecycle.append(("drafts (rejected)", f"{sparsity.get('draft_tokens', 0)} ({sparsity.get('draft_rejected', 0)})"))
     return [
         ("Run", [("request", document.get("request_id")), ("model", document.get("model")),
                  ("tier", document.get("tier")), ("prompt tokens", usage.get("prompt_tokens")),
                  ("completion tokens", usage.get("completion_tokens")), ("total tokens", usage.get("total_tokens"))]),
         ("Sparsity", [("policy", sparsity.get("policy")), ("params", _params(sparsity.get("params"))),
-                      ("budget", sparsity.get("budget")), ("evicted positions", sparsity.get("evicted_positions")),
-                      ("eviction events", sparsity.get("eviction_events")),
-                      ("skipped (top-k, window)", sparsity.get("skipped_events")),
-                      ("drafts (rejected)", f"{sparsity.get('draft_tokens', 0)} ({sparsity.get('draft_rejected', 0)})")]),
+                      ("budget", sparsity.get("budget")), *lifecycle]),
         ("Memory and time", [("KV cache peak", memory),
                              ("prefill", _seconds(timings.get("prefill_s"))),
                              ("decode", _seconds(timings.get("decode_s"))),
