@@ -40,3 +40,20 @@ def test_marked_tokens_are_drawn_and_explained_on_hover(browser, real_trace, tmp
     p.locator(f'{text} .tok[data-p="1"]').hover()
     assert "prefix cache" in p.locator(".tip").inner_text()
     page.clean()
+
+
+def test_a_rejected_draft_in_the_output_is_drawn(browser, real_trace, tmp_path: Path):
+    """Drafts are proposed for output positions: their red mark must win over the output tokens' own underline."""
+    first_output = len(real_trace.document["prompt_token_ids"])
+    arrays = dict(real_trace.arrays)
+    arrays.update({"drafted.position": np.array([first_output + 1, first_output + 2]),
+                   "drafted.rejected": np.array([0, 1]), "recomputed.position": np.array([first_output + 2])})
+    trace = StoredTrace(document=real_trace.document, arrays=arrays, path=real_trace.path)
+    page = open_report(browser, render_html(trace), tmp_path, "output-marks.html")
+    shadow = page.page.locator(f'section[data-section="text"] .text .tok[data-p="{first_output + 2}"]').evaluate(
+        "e => getComputedStyle(e).boxShadow")
+    assert "rgb(215, 48, 31)" in shadow and "rgb(128, 90, 213)" in shadow, shadow  # rejected and recomputed
+    plain = page.page.locator(f'section[data-section="text"] .text .tok[data-p="{first_output + 1}"]').evaluate(
+        "e => getComputedStyle(e).boxShadow")
+    assert "rgb(215, 48, 31)" not in plain and "rgb(159, 179, 200)" in plain, plain  # an output token's underline
+    page.clean()
