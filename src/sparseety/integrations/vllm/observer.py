@@ -116,6 +116,7 @@ class Observer:
             log.warning(self.settings.message)
         self.model = "unknown"
         self.tokenizer_path: str | None = None
+        self.model_path: str | None = None
         self._tokenizer: Any = None  #: loaded on first use, in the worker thread; False when it cannot load
         self._token_text: dict[int, str] = {}
         self.config: dict[str, Any] = {}
@@ -147,6 +148,7 @@ class Observer:
             self._chunk_thread = threading.Thread(target=self._receive_chunks, name="sparseety-vllm-chunks",
                                                   daemon=True)
             self._chunk_thread.start()
+        self._importance = _importance_inbox(self._channel)  #: the worker's captured rows (importance.py)
         if self.settings.trace_dir:
             try:
                 from sparseety.store import TraceWriter
@@ -160,10 +162,12 @@ class Observer:
 
     # -- set-up from vLLM's config (stat logger) ------------------------------------------------------
     def configure(self, *, model: str, block_size: int | None, kv_endpoint: str | None,
-                  config: dict[str, Any], tokenizer: str | None = None) -> None:
-        """``model``: the served model name; ``tokenizer``: where vLLM loaded its tokenizer from (token texts)."""
+                  config: dict[str, Any], tokenizer: str | None = None, model_path: str | None = None) -> None:
+        """``model``: the served model name; ``tokenizer``: where vLLM loaded its tokenizer from (token
+        texts); ``model_path``: vLLM's model argument (provenance)."""
         self.model = model
         self.tokenizer_path = tokenizer
+        self.model_path = model_path
         self.block_size = block_size
         self.config = config
         endpoint = self.settings.kv_endpoint or kv_endpoint
@@ -332,7 +336,8 @@ class Observer:
                     self._window_started = time.monotonic()
                 self._window.extend(changes)
         now = time.monotonic()
-        while self._ready and (final or now - self._ready[0].finished_at >= CAPTURE_WAIT_S):
+        while self._ready and (final or (now - self._ready[0].finished_at >= CAPTURE_WAIT_S
+                                         and not self._importance_pending(self._ready[0], now))):
             self._record(self._ready.popleft())
         if self._window and (final or now - self._window_started >= KV_WINDOW_S or len(self._window) > 4096):
             self._record_window()
@@ -361,7 +366,7 @@ class Observer:
         m.draft_rejected.inc(c.num_draft_tokens - c.num_accepted_tokens)
         if self.writer is None:
             return
-        tier = self.settings.tier
+        tier = min(self.settings.tier, 2)  # tier 3 only for sampled requests, with their importance
         arrays: dict[str, Any] = {}
         blocks = []
         if self.block_size and self.subscriber is not None:
@@ -430,10 +435,12 @@ class Observer:
             draft_rejected=c.num_draft_tokens - c.num_accepted_tokens,
             prefill_s=c.timings.get("prefill_s", 0.0),
             decode_s=c.timings.get("decode_s", 0.0),
-            provenance=provenance({"vllm_config": self.config}),
+            provenance=provenance({"vllm_config": self.config, "model_path": self.model_path}),
             arrays=arrays,
             vllm=vllm_info,
         )
+        if tier >= 2:
+            vllm_info["importance"] = self._attach_importance(run, c)
         self._submit(run, {"vllm": vllm_info})
 
     def _texts(self, token_ids: list[int]) -> list[str]:
@@ -458,6 +465,28 @@ class Observer:
         if missing:
             known.update(zip(missing, self._tokenizer.batch_decode([[t] for t in missing]), strict=True))
         return [known[int(t)] for t in token_ids]
+
+    # -- important tokens from the worker's attention capture (attention_capture.py, importance.py) --------
+    def _importance_pending(self, c: Capture, now: float) -> bool:
+        """True while the worker captured ``c`` and its result may still come (at most ``WAIT_S``)."""
+        from sparseety.integrations.vllm.importance import WAIT_S
+
+        inbox = self._importance
+        return inbox is not None and now - c.finished_at < WAIT_S and inbox.waiting(c.internal_id)
+
+    def _attach_importance(self, run: VllmRun, c: Capture) -> dict[str, Any]:
+        """Put ``c``'s important tokens into ``run``; the ``importance`` section of its ``vllm`` info."""
+        if self._importance is None:
+            return {"status": "off"}
+        from sparseety.integrations.vllm.importance import attach
+
+        started, result = self._importance.take(c.internal_id)
+        try:
+            return attach(run, result, started=started, decode=not self.settings.ids_only,
+                          tokenizer_path=getattr(self, "tokenizer_path", None) or self.config.get("model_path"))
+        except Exception as e:  # a bad result costs its own ranking, never the record
+            log.exception("sparseety: important tokens of %s failed", c.request_id)
+            return {"status": "failed", "error": f"{type(e).__name__}: {e}"}
 
     def _record_window(self) -> None:
         changes, self._window = self._window, []
@@ -487,7 +516,7 @@ class Observer:
             request_id=f"vllm-kv-{os.getpid()}-{first}-{last}-{self._window_count}",
             model=self.model, prompt_ids=[], output_ids=[], tier=2, policy=KV_POLICY,
             params={"engine": ENGINE, **self.config}, evicted_positions=len(removed),
-            eviction_events=len(removed), provenance=provenance({"vllm_config": self.config}),
+            eviction_events=len(removed), provenance=provenance({"vllm_config": self.config, "model_path": self.model_path}),
             arrays=arrays, vllm=info,
         )
         # the cache's own record is never sampled away: force it like a tier-3 run would be
@@ -529,6 +558,8 @@ class Observer:
             self._thread.join(2)
         if self._chunk_thread is not None:
             self._chunk_thread.join(2)
+        if self._importance is not None:
+            self._importance.close()
         try:
             for capture in list(self._captures.values()):  # never joined: keep what the frontend knew
                 self._captures.pop(capture.request_id, None)
@@ -540,6 +571,19 @@ class Observer:
                 self.subscriber.stop()
             if self.writer is not None:
                 self.writer.close()
+
+
+def _importance_inbox(channel: str | None) -> Any:
+    """The importance channel's receiver (None without a channel, or when it cannot start)."""
+    if not channel:
+        return None
+    try:
+        from sparseety.integrations.vllm.importance import ImportanceInbox
+
+        return ImportanceInbox(channel)
+    except Exception:
+        log.exception("sparseety: cannot start the importance receiver; important tokens are off")
+        return None
 
 
 def _reason(finish_reason: Any) -> str | None:

@@ -26,7 +26,9 @@ block across all of them):
   ``--speculative`` drafts). With the ``drafts`` hook (the engine core's ``Scheduler.update_from_output``)
   each row has the draft's real ``position`` in the request's sequence and its ``token_id``; ``step`` is
   the decode step that verified it (output tokens before that step). Per verify step the accepted drafts
-  are a prefix of the step's drafts, and an accepted draft's id is the output token at its position.
+  are a prefix of the step's drafts, and an accepted draft's id is the output token at its position (the
+  last verify step's accepted drafts may stand past the output's end: vLLM accepted them, then cut the
+  output at ``max_tokens`` or a stop string).
   Without that hook (off, or its messages dropped) the rows come from vLLM's per-request detailed
   spec-decode counts (``step``: the verify step's index), and ``position`` and ``token_id`` are -1.
 

@@ -92,6 +92,7 @@ class SparseetyStatLogger(StatLoggerBase):
         obs.configure(
             model=served_name(model_config),
             tokenizer=str(getattr(model_config, "tokenizer", None) or model_config.model),
+            model_path=str(model_config.model),
             block_size=cache_config.block_size if cache_config.enable_prefix_caching else None,
             kv_endpoint=kv_endpoint(vllm_config),
             config={
@@ -101,7 +102,6 @@ class SparseetyStatLogger(StatLoggerBase):
                 "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec else None,
                 "max_model_len": model_config.max_model_len,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
-                "model_path": str(model_config.model),
             },
         )
         obs.has_stat_logger = True  # only once configured: else the output hooks write records alone
