@@ -110,6 +110,8 @@ SCRIPT = textwrap.dedent('''
     trace_dir, obs = observe({"SPARSEETY_IDS_ONLY": "1"}, "ids-only")
     doc = load_trace(trace_dir, "cmpl-a").document
     assert obs._tokenizer is None and not doc.get("token_texts") and doc["ids_only"] is True
+    trace_dir, obs = observe({"SPARSEETY_SAMPLE_RATE": "0"}, "unsampled")  # kept at tier 1: nothing decoded
+    assert obs._tokenizer is None and load_trace(trace_dir, "cmpl-a").tier == 1
     secret = tok("my key is sk-abcdefghijklmnopqrstuvwx1234 ok")["input_ids"]
     prompt[:] = secret
     trace_dir, obs = observe({"SPARSEETY_REDACT": "yes"}, "redact")

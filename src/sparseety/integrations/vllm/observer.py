@@ -430,7 +430,7 @@ class Observer:
             params={"engine": ENGINE, **self.config},
             kv_cache_bytes_peak=held[0] if held else None,
             kv_cache_bytes_dense=held[0] if held else None,
-            token_texts=self._texts(sequence) if tier >= 2 else [],
+            token_texts=self._texts(sequence) if tier >= 2 and self._sampled(c.request_id) else [],
             draft_tokens=c.num_draft_tokens,
             draft_rejected=c.num_draft_tokens - c.num_accepted_tokens,
             prefill_s=c.timings.get("prefill_s", 0.0),
@@ -442,6 +442,12 @@ class Observer:
         if tier >= 2:
             vllm_info["importance"] = self._attach_importance(run, c)
         self._submit(run, {"vllm": vllm_info})
+
+    def _sampled(self, request_id: str) -> bool:
+        """Whether the writer keeps this request above tier 1 (the same hash sampling it applies)."""
+        from sparseety.store.sampling import should_sample
+
+        return should_sample(request_id, self.settings.sample_rate)
 
     def _texts(self, token_ids: list[int]) -> list[str]:
         """The text of each token (decoded one by one, as SparSEEty's own engine does), in the worker
