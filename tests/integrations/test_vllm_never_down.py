@@ -84,7 +84,7 @@ SETTINGS = textwrap.dedent('''
     assert good.problems == () and good.message is None and good.trace_dir == str(tmp / "new" / "traces")
     assert (good.sample_rate, good.tier, good.kv_endpoint) == (0.5, 1, "off")
     assert list((tmp / "new" / "traces").iterdir()) == []
-    assert parse_settings({"SPARSEETY_TIER": "3"}).tier == 2  # vLLM's tier 3 records as tier 2 for now
+    assert parse_settings({"SPARSEETY_TIER": "3"}).tier == 3  # sampled requests store per-step importance
 
     # all three bad settings of the issue: one line, tracing off, defaults in place of the bad values
     bad = parse_settings({"SPARSEETY_SAMPLE_RATE": "abc", "SPARSEETY_TIER": "9",

@@ -29,6 +29,7 @@ from sparseety.engine.context import LayerSignals, RunContext, active_context
 from sparseety.engine.packed import active_packed, isolated
 from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores, scoring_keys
 from sparseety.engine.window import window_mask
+from sparseety.extract.scoring import row_probs  # noqa: F401  (the one row-probability function; tests patch it here)
 
 ATTENTION_NAME = "sparseety"
 COLSUM_BLOCK = 128
@@ -58,34 +59,6 @@ def causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()
-
-
-def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float,
-              hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention probabilities of the last ``r`` new query rows (the step's newest queries).
-
-    Parameters
-    ----------
-    query_rows : ``[b, heads, r, d]``, the last ``r`` rows of the step's queries.
-    key : ``[b, kv_heads, n, d]``.
-    hidden : ``[b, 1 or kv_heads, r, n]`` bool, keys these rows cannot see (a sliding window), or None.
-
-    Returns
-    -------
-    ``[b, heads, r, n]`` float32 probabilities, causally masked.
-    """
-    b, h, r, d = query_rows.shape
-    kvh, n = key.shape[1], key.shape[2]
-    # [b, kvh, g*r, d] @ [b, kvh, d, n]: one batched GEMM per KV head, no broadcast copies of the keys
-    grouped = query_rows.float().reshape(b, kvh, (h // kvh) * r, d)
-    logits = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, kvh, h // kvh, r, n) * scaling
-    if r > 1:
-        rows = torch.arange(r, device=key.device).unsqueeze(1)
-        cols = torch.arange(n, device=key.device).unsqueeze(0)
-        logits = logits.masked_fill(cols > rows + (n - r), float("-inf"))
-    if hidden is not None:
-        logits = logits.masked_fill(hidden.unsqueeze(2), float("-inf"))
-    return torch.softmax(logits, dim=-1).reshape(b, h, r, n)
 
 
 def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -11,7 +11,18 @@ This package's import path needs only msgspec, pyzmq, prometheus-client, numpy a
 which ``sparseety.store`` imports); only :mod:`.stat_logger` and :mod:`.plugin`'s hooks import vLLM.
 """
 
-from sparseety.integrations.vllm.kv_events import BlockIndex, KVEventSubscriber, decode_batch
-from sparseety.integrations.vllm.record import KV_POLICY, VllmRun
+from __future__ import annotations
 
+import importlib
+from typing import Any
+
+_EXPORTS = {"BlockIndex": "kv_events", "KVEventSubscriber": "kv_events", "decode_batch": "kv_events",
+            "KV_POLICY": "record", "VllmRun": "record"}
 __all__ = ["KV_POLICY", "BlockIndex", "KVEventSubscriber", "VllmRun", "decode_batch"]
+
+
+def __getattr__(name: str) -> Any:
+    """The exports, imported on first use (so :mod:`.attention_capture`'s math imports without msgspec)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -59,8 +59,17 @@ def register() -> None:
         _patch_drafts(loud)
         _patch_kv_blocks(loud)
         _patch_output_processor(loud)
+        _patch_attention(loud)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
+
+
+def _patch_attention(loud: bool) -> None:
+    """``importance-rows``, ``importance-finish`` and ``importance-attention``: the worker's model runner
+    and the attention backend it chose, for the important tokens of sampled requests (:mod:`.attention_capture`)."""
+    from sparseety.integrations.vllm.attention_capture import install
+
+    install(loud)
 
 
 def _installed(owner: Any, attr: str) -> bool:

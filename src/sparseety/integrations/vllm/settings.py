@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-TIERS = (1, 2, 3)  #: 3 records as 2 (vLLM's per-step importance is not captured yet)
+TIERS = (1, 2, 3)  #: 3: sampled requests also store per-step importance (``step_importance``)
 MAX_QUEUE = 1_000_000
 KV_SCHEMES = ("tcp://", "ipc://", "inproc://")
 TRUE = ("1", "true", "yes", "on")
@@ -85,7 +85,7 @@ def parse_settings(env: Mapping[str, str] | None = None) -> Settings:
     raw = env.get("SPARSEETY_TIER")
     if raw is not None:
         if raw.strip() in {str(t) for t in TIERS}:
-            tier = min(int(raw), 2)
+            tier = int(raw)
         else:
             bad("SPARSEETY_TIER", raw, "one of " + ", ".join(map(str, TIERS)))
 

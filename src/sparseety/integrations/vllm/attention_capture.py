@@ -1,0 +1,499 @@
+"""Inside vLLM's worker: the attention the newest query rows of *sampled* requests give every position.
+
+vLLM never materializes attention weights, and its KV-cache layout depends on the backend and the
+instruction set, so this module keeps its own copy of what it needs, for sampled requests only:
+
+- the ``importance-rows`` hook wraps the model runner's ``_model_forward`` (the call that runs one
+  forward of the batch, inside vLLM's forward context). It reads which rows belong to which request
+  (``input_batch.req_ids``, ``query_start_loc``) and where they stand (``positions``), and plans the
+  step: for each sampled request, its rows and the query positions to score. A batch without sampled
+  requests costs one dictionary look-up per request.
+- the ``importance-attention`` hook wraps ``forward`` of the attention-backend implementation class the
+  platform chose (found on the model's own attention layers at the first forward; ``CPUAttentionBackendImpl``
+  on CPU, FlashAttention or another on CUDA: whichever it is). ``forward(layer, query [T, heads, d], key
+  [T, kv_heads, d], value, kv_cache, attn_metadata, ...)`` receives the post-RoPE keys and values vLLM
+  writes into its cache (the very tensors ``do_kv_cache_update`` gets), so the keys and value norms of a
+  sampled request's new rows are copied here, by position, and never read back from ``kv_cache``. Then,
+  for each query row to score, the probabilities ``softmax(q·Kᵀ · scale)`` over that request's held keys
+  (:func:`sparseety.extract.scoring.row_probs`, the function SparSEEty's own hook point uses), one row per
+  layer and step, never a matrix, scored by :func:`~sparseety.extract.scoring.score_row` (modes
+  ``attention`` and ``value``) exactly as the own engine's run context does: averaged over the query heads.
+- the ``importance-finish`` hook wraps ``_on_request_state_removed`` (vLLM's hook for a finished or
+  aborted request) and sends the request's result to the observer.
+
+Which rows: the prompt's last row and each decode step's row, as the own engine records them: every
+query position ``q >= prompt_len - 1``, once. A position's row is *final* once a later forward of the
+request starts at a position above it (the first token a forward feeds is always a confirmed one); it is
+then folded into per-layer sums. Rows that may still be replaced (the newest one, and rows of drafted
+tokens under speculative decoding, which a rejection re-feeds) stay *pending*, one ``[layers, q + 1]``
+vector each, and travel with the result: the observer keeps those below ``prompt_len + outputs - 1``. A
+preempted request recomputed later re-scores no folded row. Positions whose keys this request never wrote
+(a prefix-cache hit) cannot be scored: its rows attend over the keys it holds (the softmax renormalized over
+them) and the positions are sent as ``unscored``, stored and counted by the observer.
+
+Why one message per request, at finish, rather than one per step: a step's rows are a few kB per layer;
+sent per step they would cost a ZMQ message per sampled request and forward, and a dropped message would
+silently bias a sum. Accumulated here, a request costs ``2 x layers x positions`` floats (plus, at tier 3,
+one float16 vector per layer and step) and one message; if the bounded channel is full that message is
+dropped whole and counted (``dropped``), and the observer, told at the request's first forward that
+importance is coming, records it as lost instead of waiting forever.
+
+Settings (read in the worker): the observer's ``SPARSEETY_TRACE_DIR`` / ``SPARSEETY_SAMPLE_RATE`` /
+``SPARSEETY_TIER`` (:func:`.settings.parse_settings`: sampled requests at tier >= 2, by the same request-id
+hash as the store), ``SPARSEETY_IMPORTANCE`` (``value``, the default, or ``attention``; ``off`` turns the
+capture off). Per request, ``vllm_xargs`` ``{"sparseety_tier": 3}`` traces it at tier 3 whatever the
+sampling, and ``{"sparseety_importance": "attention"}`` picks its mode.
+
+This module imports neither vLLM nor torch at import time (torch is imported in the worker, on first use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
+
+
+log = logging.getLogger("sparseety.vllm")
+HOOK_ROWS = "importance-rows"
+HOOK_ATTENTION = "importance-attention"
+HOOK_FINISH = "importance-finish"
+TIER_ARG = "sparseety_tier"
+MODE_ARG = "sparseety_importance"
+MODES = ("value", "attention")  #: ``output`` and ``learned`` need the output projection: not inside vLLM yet
+IMPORTANCE_ENV = "SPARSEETY_IMPORTANCE"
+SEND_HWM = 256
+FORWARD_PARAMS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
+_LAYER_NUMBER = re.compile(r"\.(\d+)\.")
+
+
+def importance_channel(channel: str) -> str:
+    """The worker-to-observer importance endpoint next to the plugin's scheduler channel ``channel``."""
+    return channel[: -len(".sock")] + "-importance.sock" if channel.endswith(".sock") else channel + "-importance"
+
+
+def parse_mode(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """``(mode, problem)``: the ``SPARSEETY_IMPORTANCE`` mode (None: capture off) and why it is bad, if it is."""
+    env = os.environ if env is None else env
+    raw = env.get(IMPORTANCE_ENV)
+    if raw is None or raw.strip() == "":
+        return MODES[0], None
+    value = raw.strip().lower()
+    if value == "off":
+        return None, None
+    if value in MODES:
+        return value, None
+    return None, (f"sparseety: {IMPORTANCE_ENV}={raw!r} is not one of {', '.join((*MODES, 'off'))}; "
+                  "important tokens of vLLM requests are off")
+
+
+def external_id(internal_id: str) -> str:
+    """The id the client knows (the one the store and its sampling use): vLLM appends ``-`` and 8
+    random characters to it unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set."""
+    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "").strip() not in ("", "0"):
+        return internal_id
+    head, sep, tail = internal_id.rpartition("-")
+    return head if sep and len(tail) == 8 else internal_id
+
+
+def layer_number(name: str) -> int | None:
+    """The first ``.<n>.`` of a layer's name (``model.layers.3.self_attn.attn`` -> 3)."""
+    match = _LAYER_NUMBER.search(name + ".")
+    return int(match.group(1)) if match else None
+
+
+# -- one sampled request ---------------------------------------------------------------------------------
+class RequestCapture:
+    """A sampled request's held keys, value norms, folded sums and pending rows (torch tensors, float32).
+
+    Shapes: ``keys[l]`` ``[kv_heads, capacity, d]``, ``norms[l]`` ``[kv_heads, capacity, 1]`` (``value``),
+    ``written`` ``[capacity]`` bool, ``sums`` / ``attention`` ``[layers, capacity]``, a pending row
+    ``[layers, q + 1]``.
+    """
+
+    def __init__(self, req_id: str, *, tier: int, mode: str, prompt_len: int, layers: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.req_id = req_id
+        self.tier = tier
+        self.mode = mode
+        self.prompt_len = prompt_len
+        self.layers = layers
+        self.keys: list[Any] = [None] * layers
+        self.norms: list[Any] = [None] * layers
+        self.written = torch.zeros(0, dtype=torch.bool)
+        self.sums = torch.zeros(layers, 0)
+        self.attention = torch.zeros(layers, 0) if mode != "attention" else None
+        self.folded: set[int] = set()
+        self.pending: dict[int, tuple[Any, Any]] = {}
+        self.steps: dict[int, Any] = {}  #: tier 3: q -> float16 ``[layers, q + 1]``
+        self.unscored: set[int] = set()
+        self.rows = 0  #: rows scored (per layer)
+
+    def _grow(self, end: int) -> None:
+        torch = self.torch
+        cap = self.written.shape[0]
+        if end <= cap:
+            return
+        new = max(end, 2 * cap, 64)
+        self.written = torch.cat([self.written, torch.zeros(new - cap, dtype=torch.bool)])
+        self.sums = torch.nn.functional.pad(self.sums, (0, new - cap))
+        if self.attention is not None:
+            self.attention = torch.nn.functional.pad(self.attention, (0, new - cap))
+
+    def begin(self, p0: int, n: int) -> list[int]:
+        """A forward feeds positions ``[p0, p0 + n)``: fold the rows it confirms, drop the rows it
+        re-feeds, and return the query positions to score now."""
+        for q in sorted(self.pending):
+            score, att = self.pending.pop(q)
+            if q < p0:
+                self._fold(q, score, att)
+        self._grow(p0 + n)
+        return [q for q in range(max(p0, self.prompt_len - 1), p0 + n) if q not in self.folded]
+
+    def _fold(self, q: int, score: Any, att: Any) -> None:
+        self.sums[:, : q + 1] += score
+        if self.attention is not None:
+            self.attention[:, : q + 1] += att
+        if self.tier >= 3:
+            self.steps[q] = score.half()
+        self.folded.add(q)
+
+    def write(self, layer: int, p0: int, key: Any, value: Any) -> None:
+        """Hold the post-RoPE ``key`` ``[n, kv_heads, d]`` (and the norms of ``value``) at positions ``p0..``."""
+        from sparseety.extract.scoring import slot_norms
+
+        torch = self.torch
+        n = key.shape[0]
+        cap = self.written.shape[0]
+        held = self.keys[layer]
+        if held is None or held.shape[1] < cap:
+            grown = torch.zeros(key.shape[1], cap, key.shape[2], dtype=torch.float32, device=key.device)
+            if held is not None:
+                grown[:, : held.shape[1]] = held
+            self.keys[layer] = held = grown
+            if self.attention is not None:
+                norms = torch.zeros(key.shape[1], cap, 1, dtype=torch.float32, device=key.device)
+                if self.norms[layer] is not None:
+                    norms[:, : self.norms[layer].shape[1]] = self.norms[layer]
+                self.norms[layer] = norms
+        held[:, p0 : p0 + n] = key.transpose(0, 1).float()
+        if self.attention is not None:
+            self.norms[layer][:, p0 : p0 + n] = slot_norms(value.transpose(0, 1), "value")
+        self.written[p0 : p0 + n] = True
+
+    def score(self, layer: int, p0: int, queries: Any, rows: list[int], scale: float) -> None:
+        """Score query positions ``rows`` (ascending, within ``[p0, p0 + len(queries))``) of layer ``layer``:
+        ``queries`` ``[n, heads, d]`` are the forward's rows of this request."""
+        from sparseety.extract.scoring import row_probs, score_row
+
+        torch = self.torch
+        first, last = rows[0], rows[-1]
+        n = last + 1
+        keys = self.keys[layer][:, :n].unsqueeze(0)  # [1, kvh, n, d]
+        kvh = keys.shape[1]
+        q_rows = queries[first - p0 : last - p0 + 1].transpose(0, 1).unsqueeze(0)  # [1, heads, r, d]
+        missing = ~self.written[:n]
+        hidden = None
+        if bool(missing.any()):
+            if layer == 0:
+                self.unscored.update(missing.nonzero().flatten().tolist())
+            hidden = missing.to(keys.device).view(1, 1, 1, n).expand(1, 1, q_rows.shape[2], n)
+        probs = row_probs(q_rows, keys, scale, hidden)[0].transpose(0, 1)  # [r, heads, n]
+        norms = None if self.attention is None else self.norms[layer][:, :n]
+        scored = score_row(probs, norms, kvh).sum(dim=-2).div_(kvh).cpu()  # [r, n], as the run context adds it
+        att = score_row(probs, None, kvh).sum(dim=-2).div_(kvh).cpu() if norms is not None else None
+        wanted = set(rows)
+        for i, q in enumerate(range(first, last + 1)):
+            if q not in wanted:
+                continue
+            row = self.pending.get(q)
+            if row is None or row[0].shape[1] != q + 1:
+                row = self.pending[q] = (torch.zeros(self.layers, q + 1),
+                                         torch.zeros(self.layers, q + 1) if att is not None else None)
+            row[0][layer] = scored[i, : q + 1]
+            if att is not None:
+                row[1][layer] = att[i, : q + 1]
+            if layer == 0:
+                self.rows += 1
+
+    def result(self) -> dict[str, Any]:
+        """The message for the observer (numpy bytes; see :func:`.importance.decode_result`)."""
+        n = max([self.written.shape[0], *[q + 1 for q in self.pending]])
+        width = max([q + 1 for q in (*self.folded, *self.pending)], default=0)
+        n = min(n, width) if width else 0
+
+        def raw(t: Any) -> bytes:
+            return t.contiguous().float().numpy().tobytes()
+
+        return {
+            "req_id": self.req_id, "tier": self.tier, "mode": self.mode, "prompt_len": self.prompt_len,
+            "layers": self.layers, "width": n,
+            "sums": raw(self.sums[:, :n]),
+            "attention": raw(self.attention[:, :n]) if self.attention is not None else None,
+            "folded": sorted(self.folded),
+            "pending": [[q, raw(s), raw(a) if a is not None else None] for q, (s, a) in sorted(self.pending.items())],
+            "steps": [[q, self.steps[q].numpy().tobytes()] for q in sorted(self.steps)],
+            "unscored": sorted(self.unscored),
+        }
+
+
+# -- the worker's state ----------------------------------------------------------------------------------
+class _Sender:
+    """PUSH to the observer's importance channel, never blocking: a full queue drops and counts."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+
+        self._zmq = zmq
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._socket.setsockopt(zmq.LINGER, 2000)
+        self._socket.connect(endpoint)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self.dropped = 0
+
+    def send(self, message: list) -> None:
+        try:
+            self._socket.send(self._encode(message), self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            self.dropped += 1
+
+
+class Capture:
+    """The worker process's capture: sampling decisions, the captures, the step plan, the sender."""
+
+    def __init__(self) -> None:
+        from sparseety.integrations.vllm.settings import parse_settings
+
+        settings = parse_settings()
+        mode, problem = parse_mode()
+        if problem:
+            log.warning(problem)
+        self.on = bool(settings.trace_dir) and not settings.problems and mode is not None and settings.tier >= 2
+        self.mode = mode or MODES[0]
+        self.rate = settings.sample_rate
+        self.tier = settings.tier
+        self.decisions: dict[str, RequestCapture | None] = {}
+        self.step: list[tuple[RequestCapture, int, int, int, list[int]]] | None = None
+        self.layer_index: dict[str, int] = {}
+        self.layers = 0
+        self.wrapped = False
+        self.channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
+        self._sender: _Sender | None = None
+        self._sender_tried = False
+
+    def send(self, message: list) -> None:
+        if self._sender is None:
+            if self._sender_tried or not self.channel:
+                return
+            self._sender_tried = True
+            self._sender = _Sender(importance_channel(self.channel))
+        self._sender.send(message)
+
+    @property
+    def dropped(self) -> int:
+        return self._sender.dropped if self._sender is not None else 0
+
+    # -- decisions ---------------------------------------------------------------------------------------
+    def decide(self, runner: Any, req_id: str) -> RequestCapture | None:
+        """Sample ``req_id`` (once): the store's request-id hash at tier >= 2, or ``sparseety_tier: 3``."""
+        from sparseety.store.sampling import should_sample
+
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        tier, mode = self.tier, self.mode
+        forced = str(extra.get(TIER_ARG, "")).strip() == "3"
+        if str(extra.get(MODE_ARG, "")).strip() in MODES:
+            mode = str(extra[MODE_ARG]).strip()
+        capture = None
+        if state is not None and self.layers and (forced or should_sample(external_id(req_id), self.rate)):
+            capture = RequestCapture(req_id, tier=3 if forced else tier, mode=mode,
+                                     prompt_len=int(state.num_prompt_tokens), layers=self.layers)
+            self.send(["start", req_id])
+        self.decisions[req_id] = capture
+        return capture
+
+    def plan(self, runner: Any, positions: Any) -> None:
+        """Plan this forward: each sampled request's rows ``[s, e)``, first position and rows to score."""
+        self.step = None
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        if not num_reqs:
+            return
+        req_ids = batch.req_ids
+        found = []
+        for index in range(num_reqs):
+            req_id = req_ids[index]
+            capture = self.decisions[req_id] if req_id in self.decisions else self.decide(runner, req_id)
+            if capture is not None:
+                found.append((index, capture))
+        if not found:
+            return
+        starts = runner.query_start_loc.np
+        flat = positions if positions.dim() == 1 else positions[0]
+        step = []
+        for index, capture in found:
+            s, e = int(starts[index]), int(starts[index + 1])
+            if e <= s:
+                continue
+            p0 = int(flat[s])
+            step.append((capture, s, e, p0, capture.begin(p0, e - s)))
+        self.step = step or None
+
+    def finish(self, req_id: str) -> None:
+        capture = self.decisions.pop(req_id, None)
+        if capture is not None:
+            self.send(["done", capture.result()])
+
+    # -- inside the attention backend -------------------------------------------------------------------------
+    def layer(self, attn_layer: Any, impl: Any, query: Any, key: Any, value: Any) -> None:
+        index = self.layer_index.get(getattr(attn_layer, "layer_name", ""))
+        if index is None or self.step is None:
+            return
+        heads = impl.num_heads
+        for capture, s, e, p0, rows in self.step:
+            if key is not None and value is not None:
+                capture.write(index, p0, key[s:e].view(e - s, impl.num_kv_heads, -1),
+                              value[s:e].view(e - s, impl.num_kv_heads, -1))
+            if rows:
+                capture.score(index, p0, query[s:e].view(e - s, heads, -1), rows, float(impl.scale))
+
+
+_CAPTURE: Capture | None = None
+
+
+def capture() -> Capture:
+    global _CAPTURE
+    if _CAPTURE is None:
+        _CAPTURE = Capture()
+    return _CAPTURE
+
+
+# -- hooks -------------------------------------------------------------------------------------------------
+def _wrap(owner: Any, attr: str, hook: str, original: Any, wrapper: Any) -> None:
+    import functools
+
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARK, hook)
+    setattr(owner, attr, wrapper)
+
+
+def _installed(owner: Any, attr: str) -> bool:
+    import inspect
+
+    return getattr(inspect.getattr_static(owner, attr, None), MARK, None) is not None
+
+
+def install(loud: bool) -> None:
+    """Install the worker hooks on vLLM's model runner (the backend is wrapped at the first forward)."""
+    mode, problem = parse_mode()
+    if mode is None and problem is None:
+        return  # SPARSEETY_IMPORTANCE=off
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:
+        for hook in (HOOK_ROWS, HOOK_FINISH, HOOK_ATTENTION):
+            hook_off(hook, "vllm.v1.worker.gpu_model_runner.GPUModelRunner", loud=loud)
+        return
+    if _installed(GPUModelRunner, "_model_forward"):
+        return
+    forward = expect(GPUModelRunner, "_model_forward",
+                     ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"), HOOK_ROWS, prefix=True,
+                     loud=loud)
+    removed = expect(GPUModelRunner, "_on_request_state_removed", ("req_id", "req_state"), HOOK_FINISH, loud=loud)
+    if forward is None or removed is None:
+        if forward is not None:  # without the finish hook nothing would ever be sent
+            hook_off(HOOK_ROWS, f"GPUModelRunner._on_request_state_removed (needed by {HOOK_ROWS})", loud=loud)
+        return
+
+    def _model_forward(self, *args, **kwargs):
+        state = capture()
+        if state.on:
+            positions = args[1] if len(args) > 1 else kwargs.get("positions")
+            guarded(HOOK_ROWS, _plan, state, self, positions)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            state.step = None
+
+    def _on_request_state_removed(self, *args, **kwargs):
+        result = removed(self, *args, **kwargs)
+        state = _CAPTURE
+        if state is not None and state.decisions:
+            req_id = args[0] if args else kwargs.get("req_id")
+            if req_id in state.decisions:
+                guarded(HOOK_FINISH, state.finish, req_id)
+        return result
+
+    _wrap(GPUModelRunner, "_model_forward", HOOK_ROWS, forward, _model_forward)
+    _wrap(GPUModelRunner, "_on_request_state_removed", HOOK_FINISH, removed, _on_request_state_removed)
+
+
+def _plan(state: Capture, runner: Any, positions: Any) -> None:
+    if not state.wrapped:
+        state.wrapped = True
+        wrap_backends(state)
+    if state.layers:
+        state.plan(runner, positions)
+
+
+def wrap_backends(state: Capture) -> None:
+    """Wrap ``forward`` of each attention-implementation class the model's layers use (whichever backend
+    the platform chose), and number the layers. Runs inside vLLM's forward context, at the first forward."""
+    from vllm.forward_context import get_forward_context
+
+    layers = get_forward_context().no_compile_layers
+    named: list[tuple[int, str]] = []
+    skipped: list[str] = []
+    classes: dict[type, None] = {}
+    for name, module in layers.items():
+        impl = getattr(module, "impl", None)
+        number = layer_number(name)
+        if impl is None or number is None or not all(hasattr(impl, a) for a in ("num_heads", "num_kv_heads", "scale")):
+            continue
+        if (getattr(module, "sliding_window", None) is not None or getattr(impl, "logits_soft_cap", None)
+                or getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None):
+            skipped.append(name)  # not the plain causal softmax row_probs computes
+            continue
+        named.append((number, name))
+        classes[type(impl)] = None
+    if skipped:
+        log.warning("sparseety: important tokens of vLLM requests are off: %d attention layers use a sliding "
+                    "window, a logit soft cap, ALiBi or sinks (%s, ...), which the capture does not score yet",
+                    len(skipped), skipped[0])
+        return
+    ok = [cls for cls in classes if _wrap_impl(cls)]
+    if not ok:
+        return
+    keep = sorted(named)
+    state.layer_index = {name: i for i, (_, name) in enumerate(keep)}
+    state.layers = len(keep)
+    log.info("sparseety: important tokens of sampled vLLM requests from %s over %d layers",
+             ", ".join(c.__name__ for c in ok), state.layers)
+
+
+def _wrap_impl(cls: type) -> bool:
+    """Wrap ``cls.forward`` (checked: ``forward(layer, query, key, value, kv_cache, attn_metadata, ...)``)."""
+    if _installed(cls, "forward"):
+        return True
+    original = expect(cls, "forward", FORWARD_PARAMS, HOOK_ATTENTION, prefix=True)
+    if original is None:
+        return False
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        state = _CAPTURE
+        if state is not None and state.step is not None and attn_metadata is not None:
+            guarded(HOOK_ATTENTION, state.layer, layer, self, query, key, value)
+        return result
+
+    _wrap(cls, "forward", HOOK_ATTENTION, original, forward)
+    return True

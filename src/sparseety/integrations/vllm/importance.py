@@ -1,0 +1,225 @@
+"""In the API server: receive the worker's captured attention rows and turn them into important tokens.
+
+:mod:`.attention_capture` (in vLLM's worker) sends ``["start", request id]`` at a sampled request's first
+forward and ``["done", result]`` when vLLM removes it, over its own bounded ZMQ channel (next to the
+scheduler channel). :class:`ImportanceInbox` binds the PULL end and keeps the results (bounded: the oldest
+are dropped and counted). The observer's worker thread waits for a started request's result at most
+:data:`WAIT_S` after the frontend saw it finish, then calls :func:`attach`.
+
+:func:`attach` turns a result into what an own-engine trace holds, through the same code: the rows of
+query positions ``prompt_len - 1 .. prompt_len + outputs - 2`` (the prompt's last row and each decode
+step's, the rows that produced the output tokens) summed per layer (``importance`` ``[layers, seen]``,
+float16 in the store), sinks by :func:`sparseety.extract.scoring.find_sinks` (``value`` mode), the
+rankings by :func:`sparseety.engine.importance.important_tokens` (all layers, then each layer; the
+tokenizer's special ids and the sinks left out), and at tier 3 ``step_importance``
+``[steps, layers, positions]``. Positions whose keys the request never computed (read from vLLM's prefix
+cache) are ``unscored``: stored as ``unscored.position`` and ``unscored`` token events, counted in
+``extra_json.vllm.importance.unscored_positions``, and left out of the rankings; the rows then attended
+over the positions the request computed (the softmax renormalized over them).
+
+torch, and :mod:`sparseety.engine` (transformers), are imported on the first sampled request only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from sparseety.integrations.vllm.attention_capture import importance_channel
+
+log = logging.getLogger("sparseety.vllm")
+WAIT_S = 5.0  #: how long a finished, started request waits for its result before it is recorded without
+TOP_K = 16  #: records per ranking (SparSEEty's own default)
+
+
+class ImportanceInbox:
+    """The PULL end of the importance channel: started requests and their results, bounded."""
+
+    def __init__(self, channel: str, limit: int = 4096) -> None:
+        self.endpoint = importance_channel(channel)
+        self.limit = limit
+        self.started: OrderedDict[str, float] = OrderedDict()
+        self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.dropped = 0  #: results dropped because too many waited
+        self.bad = 0  #: messages that did not decode
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="sparseety-vllm-importance", daemon=True)
+        self._thread.start()
+
+    def waiting(self, internal_id: str) -> bool:
+        """True when the worker started capturing ``internal_id`` and its result has not come yet."""
+        with self._lock:
+            return internal_id in self.started and internal_id not in self.results
+
+    def take(self, internal_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """``(started, result)`` for ``internal_id``, forgetting both."""
+        with self._lock:
+            return self.started.pop(internal_id, None) is not None, self.results.pop(internal_id, None)
+
+    def _put(self, table: OrderedDict, key: str, value: Any) -> None:
+        with self._lock:
+            table[key] = value
+            while len(table) > self.limit:
+                table.popitem(last=False)
+                self.dropped += 1
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError:
+            log.exception("sparseety: cannot bind the importance channel %s", self.endpoint)
+            return
+        decode = msgspec.msgpack.Decoder().decode
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                try:
+                    kind, body = decode(sock.recv())
+                    if kind == "start":
+                        self._put(self.started, str(body), time.monotonic())
+                    elif kind == "done":
+                        self._put(self.results, str(body["req_id"]), body)
+                    else:
+                        self.bad += 1
+                except Exception:
+                    self.bad += 1
+        except Exception:
+            log.exception("sparseety: importance receiver stopped")
+        finally:
+            sock.close(0)
+            if self.endpoint.startswith("ipc://"):
+                try:
+                    os.unlink(self.endpoint[len("ipc://"):])
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_for(path: str | None) -> Any:
+    """The served model's tokenizer (cached), or None when it cannot load (rankings then keep special ids)."""
+    if not path:
+        return None
+    try:
+        return _tokenizer(path)
+    except Exception as e:
+        log.warning("sparseety: cannot load the tokenizer at %r for important tokens (%s: %s)", path,
+                    type(e).__name__, e)
+        return None
+
+
+def summed_rows(result: dict[str, Any], seen: int) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, np.ndarray]]]:
+    """The result's per-layer sums over the rows of query positions below ``seen`` (``[layers, seen]``
+    float32, score and plain attention), and its per-step score vectors ``(q, [layers, q + 1])``."""
+    layers, width = int(result["layers"]), int(result["width"])
+
+    def mat(raw: bytes, cols: int) -> np.ndarray:
+        return np.frombuffer(raw, dtype=np.float32).reshape(layers, cols)
+
+    sums = np.zeros((layers, seen), dtype=np.float32)
+    att = np.zeros((layers, seen), dtype=np.float32) if result["attention"] is not None else None
+    k = min(width, seen)
+    sums[:, :k] = mat(result["sums"], width)[:, :k]
+    if att is not None:
+        att[:, :k] = mat(result["attention"], width)[:, :k]
+    steps = [(int(q), np.frombuffer(raw, dtype=np.float16).reshape(layers, int(q) + 1).astype(np.float32))
+             for q, raw in result["steps"] if int(q) < seen]
+    for q, score, plain in result["pending"]:
+        q = int(q)
+        if q >= seen:  # a drafted position that was rejected, or past the last token fed back
+            continue
+        row = mat(score, q + 1)
+        sums[:, : q + 1] += row
+        if att is not None and plain is not None:
+            att[:, : q + 1] += mat(plain, q + 1)
+        if int(result["tier"]) >= 3:
+            steps.append((q, row.astype(np.float16).astype(np.float32)))
+    steps.sort(key=lambda item: item[0])
+    return sums, att, steps
+
+
+def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_path: str | None,
+           decode: bool = True) -> dict[str, Any]:
+    """Put the important tokens of ``result`` into ``run`` (a :class:`~.record.VllmRun`); returns the
+    ``importance`` section of the record's ``vllm`` info (``status``: ``recorded``, ``lost`` when the
+    worker started but its result never came, ``not_sampled`` otherwise)."""
+    if result is None:
+        return {"status": "lost" if started else "not_sampled"}
+    import torch
+
+    from sparseety.engine.importance import important_tokens
+    from sparseety.extract.scoring import find_sinks
+    from sparseety.integrations.vllm.record import EventGroup
+
+    prompt_len, n_out = len(run.prompt_ids), len(run.output_ids)
+    seen = prompt_len + max(n_out, 1) - 1
+    token_ids = np.asarray(run.prompt_ids + run.output_ids, dtype=np.int64)[:seen]
+    sums, att, steps = summed_rows(result, seen)
+    mode = str(result["mode"])
+    unscored = [p for p in result["unscored"] if p < seen]
+    tokenizer = tokenizer_for(tokenizer_path)
+    special = tuple(getattr(tokenizer, "all_special_ids", ()) or ()) if tokenizer is not None else ()
+    sinks: list[int] = []
+    importance = torch.from_numpy(sums)
+    if att is not None:
+        sinks = find_sinks(torch.from_numpy(att), importance)
+        run.arrays["sink.position"] = np.asarray(sinks, dtype=np.int64)
+    text = None
+    if decode and tokenizer is not None:
+        text = functools.partial(_decode, tokenizer)
+    run.important_tokens = important_tokens(token_ids, importance, prompt_len, TOP_K, text, special,
+                                            sinks=sorted(set(sinks) | set(unscored)))
+    run.arrays["importance"] = sums.astype(np.float16)
+    if unscored:
+        run.arrays["unscored.position"] = np.asarray(unscored, dtype=np.int64)
+        group = EventGroup()
+        for p in unscored:
+            group.add(0, -1, p, int(token_ids[p]))
+        run.arrays.update(group.arrays("unscored"))
+    tier = max(int(run.tier), int(result["tier"]))
+    if tier >= 3 and steps:
+        stacked = np.full((len(steps), sums.shape[0], seen), np.nan, dtype=np.float16)
+        for i, (q, row) in enumerate(steps):
+            stacked[i, :, : q + 1] = row
+        run.arrays["step_importance"] = stacked
+    run.tier = tier
+    rows = len(result["folded"]) + sum(1 for q, *_ in result["pending"] if int(q) < seen)
+    layers = int(result["layers"])
+    run.provenance["extraction"] = {
+        "score_type": "attention", "top_k": TOP_K, "normalize": "max", "min_score": 0.0,
+        "exclude_special": bool(special), "layers": "all", "recorded_layers": list(range(layers)),
+        **({"importance": mode} if mode != "attention" else {}),
+        "signal": (f"{mode}-weighted attention" if mode != "attention" else "attention")
+        + " received while generating, captured inside vLLM (newest query row per layer and step)",
+        "unscored": "left out; rows renormalized over the positions the request computed" if unscored else None,
+    }
+    return {"status": "recorded", "mode": mode, "rows": rows, "expected_rows": max(n_out, 1) if n_out else 0,
+            "layers": int(result["layers"]), "sinks": sinks, "unscored_positions": len(unscored),
+            "tier": tier}
+
+
+def _decode(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
