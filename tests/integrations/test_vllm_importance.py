@@ -1,0 +1,209 @@
+"""Important tokens of requests served by a real ``vllm serve`` (side venv, loopback; prefix caching, ngram
+speculative decoding, prefill chunks of at most 128 tokens), against SparSEEty's own engine on the same
+prompt: one server for the module, one round of traffic, then each test checks one property.
+
+Exactness: for the same prompt and greedy output, the all-layer ranking from inside vLLM has the own
+engine's top-16 positions in the same order (swaps allowed only where scores tie within 1e-4 relative),
+and each layer's importance vector agrees within 1e-3 of that layer's largest score (both stored as
+float16, as every trace stores them). vLLM's CPU kernel sums in another order: bit-equality is not asked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from vllm_server import BLOCK_SIZE, MAX_BATCHED_TOKENS, VllmServer, require_vllm
+
+from sparseety.store import connect, load_trace
+
+pytestmark = pytest.mark.model
+
+TOP = 16
+TIE = 1e-4
+LAYER_TOL = 1e-3
+PROMPTS = {
+    "value": "Alice keeps the red key in the blue box and Bob keeps the green key in the yellow box. "
+             "The red key is in the",
+    "attention": "Alice keeps the red key in the blue box and Bob keeps the green key in the yellow box. "
+                 "The green key is in the",
+    "batch": ["The capital of France is Paris, and the capital of Italy is",
+              "Water boils at one hundred degrees Celsius, and it freezes at",
+              "The three primary colors of light are red, green and"],
+    "chunked": ("A lighthouse keeper wrote in his log every evening. " + "The sea was calm and the lamp was lit. "
+                "A ship passed to the north. " * 14 + "On the last evening he wrote that the lamp"),
+    "tier3": "One, two, three, four, five, six, seven,",
+}
+SHARED = ("The GNU General Public License is a free, copyleft license for software and other kinds of works. "
+          "It guarantees your freedom to share and change all versions of a program. ") * 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require_vllm()
+    from sparseety.models.registry import resolve_model_dir
+
+    base = tmp_path_factory.mktemp("vllm-importance")
+    srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log").start()
+    print(f"vllm serve started in {srv.startup_s:.1f} s")
+    yield srv
+    srv.stop()
+
+
+def _stored(con, response: dict) -> dict:
+    choice = response["choices"][0]
+    rows = con.sql("SELECT request_id, prompt_token_ids, output_token_ids, extra_json FROM requests "
+                   "WHERE policy = 'vllm'").fetchall()
+    for request_id, prompt, output, extra in rows:
+        if list(prompt or []) == choice["prompt_token_ids"] and list(output or []) == choice["token_ids"]:
+            return {"request_id": request_id, "extra": json.loads(extra)}
+    raise KeyError(choice["prompt_token_ids"][:8])
+
+
+@pytest.fixture(scope="module")
+def traffic(server):
+    def complete(prompt: str, max_tokens: int = 12, **xargs) -> dict:
+        extra = {"vllm_xargs": xargs} if xargs else {}
+        return server.complete(prompt, max_tokens, **extra)
+
+    out = {"value": complete(PROMPTS["value"]),
+           "attention": complete(PROMPTS["attention"], sparseety_importance="attention")}
+    with ThreadPoolExecutor(3) as pool:  # one batch: their rows share forwards
+        out["batch"] = list(pool.map(complete, PROMPTS["batch"]))
+    out["chunked"] = complete(PROMPTS["chunked"], 8)
+    out["tier3"] = complete(PROMPTS["tier3"], 6, sparseety_tier=3)
+    out["shared"] = [complete(SHARED + "Question one: what does it guarantee?", 8),
+                     complete(SHARED + "Question two: who may change it?", 8)]
+    responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], *out["shared"]]
+    deadline = time.monotonic() + 90
+    con = None
+    while time.monotonic() < deadline:
+        try:
+            con = connect(server.trace_dir)
+            stored = {id(r): _stored(con, r) for r in responses}
+            if all(s["extra"]["vllm"].get("importance", {}).get("status") for s in stored.values()):
+                break
+        except Exception:
+            pass
+        time.sleep(1)
+    con = connect(server.trace_dir)
+    return {"responses": out, "con": con, "stored": lambda r: _stored(con, r)}
+
+
+def _own(engine, response: dict, mode: str):
+    from sparseety.engine.inputs import EncodedInput
+    from sparseety.policies.registry import build_policy
+
+    choice = response["choices"][0]
+    encoded = EncodedInput(torch.tensor([choice["prompt_token_ids"]]))
+    result = engine.generate(encoded, build_policy("dense"), max_new_tokens=len(choice["token_ids"]), tier=2,
+                             top_k=TOP, importance=mode)
+    assert result.output_ids == choice["token_ids"], "vLLM's greedy output differs from the own engine's"
+    return result
+
+
+def _ranking(con, request_id: str, layer: int | None = None) -> list[tuple[int, float]]:
+    where = "layer IS NULL" if layer is None else f"layer = {int(layer)}"
+    return [(p, s) for p, s in con.sql(f"SELECT position, score FROM important_tokens WHERE request_id = ? AND "
+                                       f"{where} ORDER BY rank", params=[request_id]).fetchall()]
+
+
+def assert_same_ranking(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
+    """The same top positions in the same order, except where scores tie within ``TIE`` relative."""
+    got, want = got[:TOP], want[:TOP]
+    assert len(got) == len(want) == TOP
+    assert {p for p, _ in got} == {p for p, _ in want}, (got, want)
+    score = dict(want)
+    for (p_got, _), (p_want, s_want) in zip(got, want, strict=True):
+        if p_got != p_want:  # a swap: only between scores that tie
+            assert abs(score[p_got] - s_want) <= TIE * max(abs(s_want), 1e-12), (got, want)
+
+
+def layer_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per layer: the largest difference over that layer's largest score."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    return np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+
+
+def check_exact(server, con, stored: dict, own, mode: str) -> float:
+    info = stored["extra"]["vllm"]["importance"]
+    assert info["status"] == "recorded" and info["mode"] == mode and info["unscored_positions"] == 0, info
+    assert info["rows"] == info["expected_rows"] == len(own.output_ids)
+    vllm_rank = _ranking(con, stored["request_id"])
+    own_rank = [(t.position, t.score) for t in own.important_tokens if t.layer is None]
+    assert_same_ranking(vllm_rank, own_rank)
+    trace = load_trace(server.trace_dir, stored["request_id"])
+    errors = layer_errors(trace.arrays["importance"], own.arrays["importance"])
+    assert errors.max() <= LAYER_TOL, errors
+    if mode != "attention":
+        assert list(trace.arrays["sink.position"]) == list(own.arrays["sink.position"])
+    for layer in (0, 15, 29):
+        assert_same_ranking(_ranking(con, stored["request_id"], layer),
+                            [(t.position, t.score) for t in own.important_tokens if t.layer == layer])
+    return float(errors.max())
+
+
+@pytest.mark.parametrize("mode", ["value", "attention"])
+def test_ranking_equals_the_own_engines(server, traffic, smollm_engine, mode):
+    response = traffic["responses"][mode]
+    error = check_exact(server, traffic["con"], traffic["stored"](response), _own(smollm_engine, response, mode), mode)
+    print(f"{mode}: per-layer relative error at most {error:.2e}")
+
+
+def test_requests_in_one_batch_rank_as_alone(server, traffic, smollm_engine):
+    for response in traffic["responses"]["batch"]:
+        check_exact(server, traffic["con"], traffic["stored"](response), _own(smollm_engine, response, "value"),
+                    "value")
+
+
+def test_chunked_prefill_ranks_as_unchunked(server, traffic, smollm_engine):
+    response = traffic["responses"]["chunked"]
+    stored = traffic["stored"](response)
+    chunks = stored["extra"]["vllm"]["prefill_chunks"]
+    assert len(chunks) >= 2 and all(n <= MAX_BATCHED_TOKENS for _, n in chunks), chunks
+    check_exact(server, traffic["con"], stored, _own(smollm_engine, response, "value"), "value")
+
+
+def test_tier3_request_stores_each_steps_vector(server, traffic):
+    response = traffic["responses"]["tier3"]
+    stored = traffic["stored"](response)
+    trace = load_trace(server.trace_dir, stored["request_id"])
+    steps = trace.arrays["step_importance"].astype(np.float32)
+    n_out = len(response["choices"][0]["token_ids"])
+    seen = len(response["choices"][0]["prompt_token_ids"]) + n_out - 1
+    assert steps.shape == (n_out, 30, seen)
+    for i in range(n_out):  # step i is the row of query position prompt_len - 1 + i: it sees that many keys
+        width = seen - n_out + 1 + i
+        assert not np.isnan(steps[i, :, :width]).any() and np.isnan(steps[i, :, width:]).all()
+    total = np.nansum(steps, axis=0)
+    assert np.abs(total - trace.arrays["importance"]).max() <= 5e-3 * np.abs(total).max()
+    assert trace.document["tier"] == 3
+
+
+def test_prefix_cache_hit_positions_are_explicitly_unscored(server, traffic, smollm_engine):
+    con = traffic["con"]
+    first, second = traffic["responses"]["shared"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= BLOCK_SIZE and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # the first request computed every position: its ranking is complete and exact
+    check_exact(server, con, traffic["stored"](first), _own(smollm_engine, first, "value"), "value")
+    # the second never saw the keys of its cached positions: each is stored, counted, left out of the rankings
+    stored = traffic["stored"](second)
+    info = stored["extra"]["vllm"]["importance"]
+    assert info["status"] == "recorded" and info["unscored_positions"] == cached, info
+    rows = con.sql("SELECT position, token_id FROM token_events WHERE request_id = ? AND event = 'unscored' "
+                   "ORDER BY position", params=[stored["request_id"]]).fetchall()
+    prompt = second["choices"][0]["prompt_token_ids"]
+    assert rows == [(p, prompt[p]) for p in range(cached)]
+    trace = load_trace(server.trace_dir, stored["request_id"])
+    assert list(trace.arrays["unscored.position"]) == list(range(cached))
+    assert not trace.arrays["importance"][:, :cached].any()
+    assert trace.document["provenance"]["extraction"]["unscored"]
+    ranked = con.sql("SELECT DISTINCT position FROM important_tokens WHERE request_id = ?",
+                     params=[stored["request_id"]]).fetchall()
+    assert ranked and all(p >= cached for (p,) in ranked)
