@@ -57,8 +57,15 @@ PAIRS = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "Kn
          "compactor": "CompactorPress", "kvzip": "KVzipPress"}
 OURS_ONLY = ("pyramid", "learned")
 #: Named variants of a policy with other options, run and reported under their own name beside its press.
-VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"})}
-PAIRS.update({variant: PAIRS[base] for variant, (base, _) in VARIANTS.items()})
+VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
+            "h2o_va": ("h2o", {"value_aware": True}), "tova_va": ("tova", {"value_aware": True}),
+            "snapkv_va": ("snapkv", {"value_aware": True})}
+#: Variants with a press of their own (else a variant sits beside its base policy's press): the value-aware
+#: options beside kvpress's CriticalKVPress around the same press (CriticalKV, arXiv 2502.03805, weighs by
+#: ‖W_O v‖₁ in two stages; VATP, which ``value_aware`` follows, by ‖v‖₁; kvpress has no VATP press).
+VARIANT_PRESSES = {"h2o_va": "CriticalKVPress(ObservedAttentionPress)", "tova_va": "CriticalKVPress(TOVAPress)",
+                   "snapkv_va": "CriticalKVPress(SnapKVPress)"}
+PAIRS.update({variant: VARIANT_PRESSES.get(variant, PAIRS[base]) for variant, (base, _) in VARIANTS.items()})
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 #: query-agnostic methods: they score the context without the question (all here are, under this protocol,
 #: since the question is never seen while compressing); kept for the target's wording
@@ -82,7 +89,7 @@ def worker(model_dir: str, threads: int) -> None:
     models: dict[str, object] = {}
 
     def model_for(press_name):
-        impl = "eager" if press_name in EAGER_PRESSES else "sdpa"
+        impl = "eager" if any(name in str(press_name) for name in EAGER_PRESSES) else "sdpa"
         if impl not in models:
             models[impl] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                                 attn_implementation=impl).eval()
@@ -123,7 +130,7 @@ def worker(model_dir: str, threads: int) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         name = job["press"]
-        press = None if name is None else getattr(kvpress, name)(compression_ratio=job["ratio"])
+        press = None if name is None else make_press(kvpress, name, job["ratio"])
         model = model_for(name)
         rows = []
         for case in job["cases"]:
@@ -131,6 +138,14 @@ def worker(model_dir: str, threads: int) -> None:
             print(f"kvpress {name or 'none'} ratio={job['ratio']} {case['label']}: {rows[-1]['answer'].strip()[:40]!r}",
                   file=sys.stderr, flush=True)
         print(json.dumps({"rows": rows}), flush=True)
+
+
+def make_press(kvpress, name: str, ratio: float):
+    """``Press`` or ``Wrapper(Press)`` (a wrapper takes the inner press, which holds the ratio)."""
+    if name.endswith(")") and "(" in name:
+        outer, inner = name[:-1].split("(", 1)
+        return getattr(kvpress, outer)(getattr(kvpress, inner)(compression_ratio=ratio))
+    return getattr(kvpress, name)(compression_ratio=ratio)
 
 
 class _nullcontext:
@@ -283,7 +298,8 @@ def tables(ours: list[dict], theirs: list[dict]) -> list[dict]:
         row = {"task": task, "policy": policy, "press": PAIRS.get(policy), "ratio": ratio, "cases": n,
                "accuracy_sparseety": round(acc_a, 4), "seconds_per_case_sparseety": round(sec_a, 3),
                "kv_bytes_sparseety": int(kv_a), "kv_fraction_of_dense_sparseety": round(kv_a / dense_a, 4) if dense_a else None}
-        press_key = (task, VARIANTS.get(policy, (policy,))[0], ratio)  # a variant: its base policy's press rows
+        # a variant without a press of its own: its base policy's press rows
+        press_key = (task, policy if policy in VARIANT_PRESSES else VARIANTS.get(policy, (policy,))[0], ratio)
         if press_key in b:
             acc_b, sec_b, kv_b, _ = b[press_key]
             row.update({"accuracy_kvpress": round(acc_b, 4), "seconds_per_case_kvpress": round(sec_b, 3),

@@ -14,7 +14,9 @@ from sparseety.errors import InputError
 
 LICENSES = Path("/usr/share/common-licenses")
 DEFAULT_FILES = ("Apache-2.0", "Artistic", "GFDL-1.3", "GPL-3", "LGPL-2.1", "MPL-2.0")
-QUESTION = "\n\nQuestion: What is the passage above about?\nAnswer:"
+#: ends with an answer prefix (as RULER's tasks do): with a bare "Answer:" the default model ends its turn at
+#: once on half of the licence passages, which leaves an end-of-turn token as the whole target
+QUESTION = "\n\nQuestion: What is the passage above about?\nAnswer: The passage"
 
 
 def default_texts() -> list[Path]:
