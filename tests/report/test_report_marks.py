@@ -1,5 +1,5 @@
 """The text view marks the token lifecycle a serving engine reports: prefix-cache hits, tokens recomputed
-after a preemption, positions where a speculative draft was rejected (as vLLM traces carry them)."""
+after a preemption, positions where a speculative draft was rejected (as vLLM traces and own-engine ``--speculative`` runs carry them)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_marks_come_from_the_lifecycle_arrays():
     arrays = {"cached.position": np.array([0, 1, 2, 2]), "recomputed.position": np.array([5, 99]),
               "drafted.position": np.array([6, 7, -1]), "drafted.rejected": np.array([0, 1, 1])}
     assert token_marks(arrays, positions=10) == {"cached": [0, 1, 2], "recomputed": [5], "rejected": [7]}
-    # vLLM reports draft counts only: positions -1 mark nothing; a trace without lifecycle arrays has no marks
+    # draft positions -1 (a vLLM trace recorded without its drafts hook) mark nothing; no lifecycle arrays, no marks
     assert token_marks({"drafted.position": np.array([-1, -1]), "drafted.rejected": np.array([1, 1])}, 10) is None
     assert token_marks({}, 10) is None
 
