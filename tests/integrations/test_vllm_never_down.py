@@ -129,7 +129,8 @@ HOOKS = textwrap.dedent('''
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import FinishReason
     from vllm.v1.engine.output_processor import OutputProcessor
-    from sparseety.integrations.vllm import hooks, plugin
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from sparseety.integrations.vllm import attention_capture, hooks, plugin
 
     seen = []
     handler = logging.Handler()
@@ -141,7 +142,9 @@ HOOKS = textwrap.dedent('''
                "finished-requests": (OutputProcessor, "_update_stats_from_finished"),
                "prefill-chunks": (Scheduler, "_update_after_schedule"),
                "drafts": (Scheduler, "update_from_output"),
-               "kv-blocks": (Scheduler, "_free_request_blocks")}
+               "kv-blocks": (Scheduler, "_free_request_blocks"),
+               "importance-rows": (GPUModelRunner, "_model_forward"),
+               "importance-finish": (GPUModelRunner, "_on_request_state_removed")}
     ORIGINAL = {hook: vars(cls)[attr] for hook, (cls, attr) in PATCHED.items()}
 
     def restore():
@@ -162,6 +165,8 @@ HOOKS = textwrap.dedent('''
     SCHED = "Scheduler._update_after_schedule(scheduler_output)"
     DRAFTS = "Scheduler.update_from_output(scheduler_output, model_runner_output)"
     BLOCKS = "Scheduler._free_request_blocks(request)"
+    ROWS = "GPUModelRunner._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, ...)"
+    FINISH = "GPUModelRunner._on_request_state_removed(req_id, req_state)"
 
     def changed_update(self, scheduler_output, runner_output):
         pass
@@ -182,6 +187,9 @@ HOOKS = textwrap.dedent('''
         ("drafts", lambda: setattr(Scheduler, "update_from_output", changed_update),
          off("drafts", DRAFTS + " (it has update_from_output(self, scheduler_output, runner_output))")),
         ("kv-blocks", lambda: delattr(Scheduler, "_free_request_blocks"), off("kv-blocks", BLOCKS)),
+        ("importance-rows", lambda: delattr(GPUModelRunner, "_model_forward"), off("importance-rows", ROWS)),
+        ("importance-finish", lambda: delattr(GPUModelRunner, "_on_request_state_removed"),
+         off("importance-finish", FINISH)),
         ("finished-requests", lambda: setattr(OutputProcessor, "_update_stats_from_finished", changed),
          off("finished-requests", FIN + " (it has _update_stats_from_finished(self, req_state, reason))")),
         ("preemptions", lambda: setattr(engine_pkg, "EngineCoreEventType", NoPreempted),
@@ -195,7 +203,9 @@ HOOKS = textwrap.dedent('''
         plugin.register()  # loaded again (vLLM may): no second warning
         engine_pkg.EngineCoreEventType = saved_enum
         assert seen == [warning], (hook, seen)
-        assert installed() == set(PATCHED) - {hook}, (hook, installed())
+        # the runner's two importance hooks go together: rows captured could never be sent, and vice versa
+        gone = {"importance-rows", "importance-finish"} if hook.startswith("importance-") else {hook}
+        assert installed() == set(PATCHED) - gone, (hook, installed())
         cls, attr = PATCHED[hook]
         assert getattr(vars(cls).get(attr), hooks.MARK, None) is None  # nothing of ours put in its place
 
@@ -207,7 +217,24 @@ HOOKS = textwrap.dedent('''
     sys.modules["vllm.v1.core.sched.scheduler"] = scheduler_module
     assert seen == [off(hook, "vllm.v1.core.sched.scheduler.Scheduler")
                     for hook in ("prefill-chunks", "drafts", "kv-blocks")], seen
-    assert installed() == {"preemptions", "finished-requests"}, installed()
+    assert installed() == {"preemptions", "finished-requests", "importance-rows", "importance-finish"}, installed()
+
+    # the attention backend: whichever implementation class the model's layers use is wrapped, after the
+    # same check; a changed forward leaves that class alone, with one warning
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    class ChangedImpl:
+        def forward(self, layer, q, k, v, kv_cache, attn_metadata, output=None):
+            return output
+    seen.clear()
+    real = vars(CPUAttentionBackendImpl)["forward"]
+    assert attention_capture._wrap_impl(CPUAttentionBackendImpl) and seen == []
+    assert getattr(vars(CPUAttentionBackendImpl)["forward"], hooks.MARK, None) == "importance-attention"
+    CPUAttentionBackendImpl.forward = real
+    assert not attention_capture._wrap_impl(ChangedImpl)
+    assert seen == [off("importance-attention", "ChangedImpl.forward(layer, query, key, value, kv_cache, "
+                        "attn_metadata, ...) (it has forward(self, layer, q, k, v, kv_cache, attn_metadata, "
+                        "output=None))")], seen
+    assert getattr(vars(ChangedImpl)["forward"], hooks.MARK, None) is None
 
     # processes the first one starts (the channel already chosen) stay quiet
     restore()

@@ -409,9 +409,7 @@ def install(loud: bool) -> None:
                      ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"), HOOK_ROWS, prefix=True,
                      loud=loud)
     removed = expect(GPUModelRunner, "_on_request_state_removed", ("req_id", "req_state"), HOOK_FINISH, loud=loud)
-    if forward is None or removed is None:
-        if forward is not None:  # without the finish hook nothing would ever be sent
-            hook_off(HOOK_ROWS, f"GPUModelRunner._on_request_state_removed (needed by {HOOK_ROWS})", loud=loud)
+    if forward is None or removed is None:  # one without the other would capture what is never sent
         return
 
     def _model_forward(self, *args, **kwargs):

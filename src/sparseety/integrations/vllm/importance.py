@@ -216,7 +216,8 @@ def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_
         + " received while generating, captured inside vLLM (newest query row per layer and step)",
         "unscored": "left out; rows renormalized over the positions the request computed" if unscored else None,
     }
-    return {"status": "recorded", "mode": mode, "rows": rows, "expected_rows": max(n_out, 1) if n_out else 0,
+    # fewer rows than outputs: forwards the wrapper never saw (e.g. attention inside a full CUDA graph)
+    return {"status": "recorded" if rows == n_out else "partial", "mode": mode, "rows": rows, "expected_rows": n_out,
             "layers": int(result["layers"]), "sinks": sinks, "unscored_positions": len(unscored),
             "tier": tier}
 
