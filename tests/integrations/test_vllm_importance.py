@@ -38,6 +38,8 @@ PROMPTS = {
                 "A ship passed to the north. " * 14 + "On the last evening he wrote that the lamp"),
     "tier3": "One, two, three, four, five, six, seven,",
 }
+LICENSE = open("/usr/share/common-licenses/GPL-3").read().split()  # noqa: SIM115 (real text, on every Debian)
+LONG = [" ".join(LICENSE[500 + 300 * i : 690 + 300 * i]) for i in range(3)]  # ~250 tokens each
 SHARED = ("The GNU General Public License is a free, copyleft license for software and other kinds of works. "
           "It guarantees your freedom to share and change all versions of a program. ") * 3
 
@@ -78,7 +80,10 @@ def traffic(server):
     out["tier3"] = complete(PROMPTS["tier3"], 6, sparseety_tier=3)
     out["shared"] = [complete(SHARED + "Question one: what does it guarantee?", 8),
                      complete(SHARED + "Question two: who may change it?", 8)]
-    responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], *out["shared"]]
+    with ThreadPoolExecutor(3) as pool:  # 3 x (~250 + 200) tokens > the 1,024-token KV cache: preemption
+        out["long"] = list(pool.map(lambda prompt: complete(prompt, 200), LONG))
+    responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], *out["shared"],
+                 *out["long"]]
     deadline = time.monotonic() + 90
     con = None
     while time.monotonic() < deadline:
@@ -207,3 +212,13 @@ def test_prefix_cache_hit_positions_are_explicitly_unscored(server, traffic, smo
     ranked = con.sql("SELECT DISTINCT position FROM important_tokens WHERE request_id = ?",
                      params=[stored["request_id"]]).fetchall()
     assert ranked and all(p >= cached for (p,) in ranked)
+
+
+def test_preempted_and_recomputed_request_ranks_as_alone(server, traffic, smollm_engine):
+    con = traffic["con"]
+    stored = [traffic["stored"](r) for r in traffic["responses"]["long"]]
+    preempted = [i for i, s in enumerate(stored) if s["extra"]["vllm"]["num_preemptions"]]
+    assert preempted, [s["extra"]["vllm"]["num_preemptions"] for s in stored]
+    response = traffic["responses"]["long"][preempted[0]]
+    error = check_exact(server, con, stored[preempted[0]], _own(smollm_engine, response, "value"), "value")
+    print(f"preempted request: per-layer relative error at most {error:.2e}")
