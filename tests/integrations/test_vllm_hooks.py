@@ -52,8 +52,8 @@ SCRIPT = textwrap.dedent('''
     assert [f.request_id for f in stats.finished_requests] == ["a"]
     assert stats.finished_requests[0].num_preemptions == 1  # vLLM's own count of the same event
     assert "a" in obs._captures
-    for finished in stats.finished_requests:  # what SparseetyStatLogger.record does
-        obs.on_finished_stats(finished)
+    for finished in stats.finished_requests:  # what SparseetyStatLogger.record does (engine 0's logger)
+        obs.on_finished_stats(finished, 0)
     assert not obs._captures and len(obs._ready) == 1
     obs.flush()
 
@@ -76,11 +76,16 @@ SCRIPT = textwrap.dedent('''
     assert list(rows["a"][1]) == list(range(10, 20)) and list(rows["a"][2]) == [5, 6, 7, 8]
     assert extra["num_preemptions"] == 1 and extra["preempted_at_output_tokens"] == [1]
     assert extra["finish_reason"] == "length" and extra["timings"]["e2e_s"] > 0
+    assert extra["data_parallel_rank"] == 0 and extra["api_server"] == 0
+    assert json.loads(rows["b"][3])["vllm"]["data_parallel_rank"] is None  # no stat logger: engine unknown
     recomputed = con.sql("SELECT position, token_id FROM token_events WHERE request_id = 'a' AND "
                          "event = 'recomputed' ORDER BY position").fetchall()
     assert recomputed == [(p, t) for p, t in enumerate(list(range(10, 20)) + [5])]
     assert json.loads(rows["b"][3])["vllm"]["finish_reason"] == "stop"
-    assert metrics().preemptions._value.get() == 1 and metrics().freed_tokens._value.get() == 11
+    m = metrics()  # counted under the engine that served "a"; "b" and "c" under engine "unknown"
+    assert m.preemptions.labels(engine="0")._value.get() == 1 and m.freed_tokens.labels(engine="0")._value.get() == 11
+    assert m.prompt_tokens.labels(engine="0")._value.get() == 10
+    assert m.prompt_tokens.labels(engine="unknown")._value.get() == 6
     print("ok")
 ''')
 

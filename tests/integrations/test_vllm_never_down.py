@@ -108,7 +108,9 @@ SETTINGS = textwrap.dedent('''
     obs.configure(model="m", block_size=None, kv_endpoint=None, config={})
     obs._enqueue(Capture("r1", "r1", [1, 2, 3], [4, 5], 0, [], None, None, 0, 0, finish_reason="stop"))
     obs.flush()
-    assert metrics().prompt_tokens._value.get() == 3 and metrics().generation_tokens._value.get() == 2
+    m = metrics()  # no stat logger reported it: engine "unknown"
+    assert m.prompt_tokens.labels(engine="unknown")._value.get() == 3
+    assert m.generation_tokens.labels(engine="unknown")._value.get() == 2
     assert a_file.read_text() == "not a directory" and sorted(p.name for p in tmp.iterdir()) == ["a-file", "new"]
     assert len(seen) == 1, seen
     print("ok")

@@ -41,7 +41,8 @@ def free_port() -> int:
 class VllmServer:
     """``vllm serve MODEL`` with prefix caching, KV events, ngram speculative decoding and the plugin on."""
 
-    def __init__(self, model_dir: str, trace_dir: Path, log_path: Path, *, extra_env: dict[str, str] | None = None):
+    def __init__(self, model_dir: str, trace_dir: Path, log_path: Path, *, extra_env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None):
         self.model = model_dir
         self.port = free_port()
         self.kv_port = free_port()
@@ -68,6 +69,7 @@ class VllmServer:
             "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
             "--per-request-spec-decode-metrics", "detailed", "--enable-prompt-tokens-details",
+            *(extra_args or []),
         ]
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None

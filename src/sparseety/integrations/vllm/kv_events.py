@@ -9,6 +9,12 @@ runs in any process with msgspec and pyzmq.
 :class:`BlockIndex` keeps what the stream says about each cached block (parent hash, token ids, depth
 in its chain) and answers, for a prompt, which cached blocks hold its tokens: block ``i`` of a prompt is
 the child of block ``i - 1`` whose token ids equal ``prompt[i*bs:(i+1)*bs]``, the same chain vLLM hashes.
+
+Data parallelism: each DP rank's scheduler publishes its own stream, on the endpoint's tcp port plus the
+rank (:func:`rank_endpoint`, as vLLM's ``ZmqEventPublisher.offset_endpoint_port``), with its own sequence
+numbers and ``KVEventBatch.data_parallel_rank`` set. One :class:`KVEventSubscriber` listens on every
+rank's endpoint, counts sequence gaps per rank, and :class:`RankedBlockIndex` keeps one
+:class:`BlockIndex` per rank (two ranks cache the same prefix separately); every change carries its rank.
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class KVChange:
     block: Block
     seq: int
     ts: float
+    rank: int = 0  #: the data-parallel rank whose cache changed (``KVEventBatch.data_parallel_rank``)
 
 
 class BlockIndex:
@@ -196,6 +203,64 @@ class BlockIndex:
                     del block.requests[0]
 
 
+class RankedBlockIndex:
+    """One :class:`BlockIndex` per data-parallel rank (created on a rank's first batch); each change is
+    tagged with its rank. A batch without a rank (a publisher older than DP support) counts as rank 0."""
+
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
+        self.max_blocks = max_blocks
+        self.ranks: dict[int, BlockIndex] = {}
+        self.lock = threading.Lock()
+
+    def rank(self, rank: int) -> BlockIndex:
+        with self.lock:
+            index = self.ranks.get(rank)
+            if index is None:
+                index = self.ranks[rank] = BlockIndex(self.max_blocks)
+            return index
+
+    def apply(self, batch: KVEventBatch, seq: int) -> list[KVChange]:
+        rank = int(batch.data_parallel_rank or 0)
+        changes = self.rank(rank).apply(batch, seq)
+        for change in changes:
+            change.rank = rank
+        return changes
+
+    def prompt_blocks(self, token_ids: list[int], block_size: int, rank: int = 0) -> list[Block]:
+        """``token_ids``'s cached blocks in rank ``rank``'s cache (see :meth:`BlockIndex.prompt_blocks`)."""
+        index = self.ranks.get(rank)
+        return index.prompt_blocks(token_ids, block_size) if index is not None else []
+
+    def mark_used(self, blocks: list[Block], request_id: str, keep: int = 64) -> None:
+        with self.lock:
+            for block in blocks:
+                block.requests.append(request_id)
+                if len(block.requests) > keep:
+                    del block.requests[0]
+
+    @property
+    def removed_unknown(self) -> int:
+        return sum(i.removed_unknown for i in list(self.ranks.values()))
+
+    @property
+    def cleared(self) -> int:
+        return sum(i.cleared for i in list(self.ranks.values()))
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where DP rank ``rank`` publishes when the configured endpoint is ``endpoint``: the tcp port plus
+    the rank (port 0, the OS's choice, is left alone), ``_dp<rank>`` after an inproc name; what vLLM
+    0.32's ``ZmqEventPublisher.offset_endpoint_port`` computes (a test checks them against each other)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" in endpoint and ":" in endpoint:
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return endpoint
+
+
 def subscriber_endpoint(publisher_endpoint: str) -> tuple[str, bool]:
     """Where to put the SUB socket for vLLM's ``endpoint``, and whether to bind it.
 
@@ -216,8 +281,8 @@ class KVEventSubscriber:
 
     def __init__(
         self,
-        endpoint: str,
-        index: BlockIndex,
+        endpoint: str | list[str],
+        index: BlockIndex | RankedBlockIndex,
         on_changes: Callable[[list[KVChange]], None] | None = None,
         *,
         topic: str = "",
@@ -225,7 +290,8 @@ class KVEventSubscriber:
         max_pending: int = 100_000,
         bind: bool = False,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        self.endpoint = self.endpoints[0]
         self.bind = bind
         self.index = index
         self.on_changes = on_changes
@@ -238,6 +304,8 @@ class KVEventSubscriber:
         self.seq_gaps = 0  #: sequence numbers skipped (messages lost on the wire or before we joined)
         self.dropped_changes = 0
         self.last_seq: int | None = None
+        self.last_seq_by_rank: dict[int, int] = {}  #: each DP rank numbers its own stream
+        self.batches_by_rank: dict[int, int] = {}
         self.error: str | None = None  #: why the socket could not bind or connect (the thread then ends)
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -268,12 +336,13 @@ class KVEventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         try:
-            if self.bind:
-                sock.bind(self.endpoint)
-            else:
-                sock.connect(self.endpoint)
+            for endpoint in self.endpoints:
+                if self.bind:
+                    sock.bind(endpoint)
+                else:
+                    sock.connect(endpoint)
         except zmq.ZMQError as e:
-            self.error = str(e)
+            self.error = f"{endpoint}: {e}"
             sock.close(0)
             return
         finally:
@@ -290,15 +359,18 @@ class KVEventSubscriber:
                     continue
                 _, seq_bytes, payload = frames
                 seq = int.from_bytes(seq_bytes, "big")
-                if self.last_seq is not None and seq > self.last_seq + 1:
-                    self.seq_gaps += seq - self.last_seq - 1
-                self.last_seq = seq
                 try:
                     batch = decode_batch(payload)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     self.decode_errors += 1
                     continue
+                rank = int(batch.data_parallel_rank or 0)
+                last = self.last_seq_by_rank.get(rank)
+                if last is not None and seq > last + 1:
+                    self.seq_gaps += seq - last - 1
+                self.last_seq_by_rank[rank] = self.last_seq = seq
                 self.batches += 1
+                self.batches_by_rank[rank] = self.batches_by_rank.get(rank, 0) + 1
                 changes = self.index.apply(batch, seq)
                 room = self.max_pending - len(self.pending)
                 if len(changes) > room:

@@ -2,6 +2,10 @@
 
 vLLM serves ``prometheus_client``'s default registry (without ``PROMETHEUS_MULTIPROC_DIR``), so families
 registered there appear beside ``vllm:*`` with no second server. Names follow ``sparseety serve``'s.
+Request, cache and draft counters carry ``engine``: vLLM's engine index (its data-parallel rank, as
+vLLM's own ``engine`` label), ``unknown`` when no stat logger reported the request. With
+``--api-server-count N`` vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts the API servers, so
+these counters live in its multiprocess files and every API server's ``/metrics`` sums all of them.
 """
 
 from __future__ import annotations
@@ -16,31 +20,31 @@ class VllmMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         r = registry
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", ["engine"], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens of finished requests.",
-                                         registry=r)
+                                         ["engine"], registry=r)
         self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
-                                       ["finish_reason"], registry=r)
+                                       ["engine", "finish_reason"], registry=r)
         self.cached_tokens = Counter(P + "cached_prompt_tokens", "Prompt tokens whose prefill was skipped: "
-                                     "their KV came from the prefix cache.", registry=r)
+                                     "their KV came from the prefix cache.", ["engine"], registry=r)
         self.kv_blocks_stored = Counter(P + "kv_blocks_stored", "KV blocks that entered the prefix cache.",
-                                        registry=r)
+                                        ["engine"], registry=r)
         self.kv_blocks_evicted = Counter(P + "kv_blocks_evicted", "KV blocks that left the prefix cache.",
-                                         registry=r)
+                                         ["engine"], registry=r)
         self.kv_tokens_evicted = Counter(P + "kv_tokens_evicted", "Tokens held by the KV blocks that left "
-                                         "the prefix cache.", registry=r)
+                                         "the prefix cache.", ["engine"], registry=r)
         self.preemptions = Counter(P + "preemptions", "Times a request was preempted (its KV freed).",
-                                   registry=r)
+                                   ["engine"], registry=r)
         self.freed_tokens = Counter(P + "preempted_freed_tokens", "Tokens whose KV a preemption freed "
-                                    "(prompt and output so far), summed over finished requests.", registry=r)
+                                    "(prompt and output so far), summed over finished requests.", ["engine"], registry=r)
         self.recomputed_tokens = Counter(P + "preempted_recomputed_tokens", "Tokens prefilled again when a "
                                          "preempted request resumed: freed tokens the prefix cache no longer "
-                                         "held (vLLM's preempted prefix-cache queries minus hits).", registry=r)
-        self.draft_tokens = Counter(P + "draft_tokens", "Speculative draft tokens proposed.", registry=r)
+                                         "held (vLLM's preempted prefix-cache queries minus hits).", ["engine"], registry=r)
+        self.draft_tokens = Counter(P + "draft_tokens", "Speculative draft tokens proposed.", ["engine"], registry=r)
         self.draft_accepted = Counter(P + "draft_accepted_tokens", "Speculative draft tokens accepted.",
-                                      registry=r)
+                                      ["engine"], registry=r)
         self.draft_rejected = Counter(P + "draft_rejected_tokens", "Speculative draft tokens rejected.",
-                                      registry=r)
+                                      ["engine"], registry=r)
         self.trace_traced = Counter(P + "trace_records_traced", "Trace records handed to the writer.",
                                     registry=r)
         self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records dropped because a queue "

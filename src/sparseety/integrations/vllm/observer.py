@@ -27,6 +27,13 @@ served model name (``--served-model-name``, else the model argument); the path i
 
 Nothing here may raise into vLLM: the hooks and the stat logger call in through guarded entry points
 that log a hook's first failure (with its traceback) and count the rest (:func:`.hooks.guarded`).
+
+Ranks and API servers: with ``--api-server-count N`` each API server runs its own observer (``client``,
+vLLM's client index), records the requests it owns (vLLM routes a request's outputs to that one process)
+and binds its own channel (:func:`.plugin.client_channel`). Only API server 0 subscribes to the KV
+events (every data-parallel rank's endpoint) and writes the ``vllm-prefix-cache`` records, one per rank
+and window, so the cache is recorded once. A request's record carries the engine (DP rank) that served
+it, from the per-engine stat logger that reported it; the ``sparseety:`` counters carry it as ``engine``.
 """
 
 from __future__ import annotations
@@ -42,10 +49,11 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from sparseety.integrations.vllm.kv_events import (
-    BlockIndex,
     KVChange,
     KVEventSubscriber,
+    RankedBlockIndex,
     hash_text,
+    rank_endpoint,
     subscriber_endpoint,
 )
 from sparseety.integrations.vllm.metrics import metrics
@@ -104,14 +112,16 @@ class Capture:
     finish_reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     num_preemptions: int | None = None
+    engine: int | None = None  #: the engine (data-parallel rank) that served it, from its stat logger
     finished_at: float = field(default_factory=time.monotonic)
 
 
 class Observer:
     """One per process; created by :func:`observer` when vLLM first reports to the plugin."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, client: int = 0) -> None:
         self.settings = settings or parse_settings()
+        self.client = client  #: this API server's index among vLLM's API servers (0 with one)
         if self.settings.message:
             log.warning(self.settings.message)
         self.model = "unknown"
@@ -123,7 +133,9 @@ class Observer:
         self.has_stat_logger = False
         self.block_size: int | None = None
         self.metrics = metrics()
-        self.index = BlockIndex()
+        self.index = RankedBlockIndex()
+        self.kv_endpoints: list[str] = []  #: where the KV-event subscriber listens, one per DP rank
+        self._kv_tried = False
         self.subscriber: KVEventSubscriber | None = None
         self.writer: Any = None
         self.dropped_captures = 0
@@ -143,7 +155,7 @@ class Observer:
         self._kv_held: OrderedDict[str, list[int]] = OrderedDict()  #: request -> [peak bytes, peak blocks]
         self.dropped_chunks = 0
         self._chunk_thread: threading.Thread | None = None
-        self._channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
+        self._channel = _client_channel(client)
         if self._channel:
             self._chunk_thread = threading.Thread(target=self._receive_chunks, name="sparseety-vllm-chunks",
                                                   daemon=True)
@@ -162,23 +174,29 @@ class Observer:
 
     # -- set-up from vLLM's config (stat logger) ------------------------------------------------------
     def configure(self, *, model: str, block_size: int | None, kv_endpoint: str | None,
-                  config: dict[str, Any], tokenizer: str | None = None, model_path: str | None = None) -> None:
+                  config: dict[str, Any], tokenizer: str | None = None, model_path: str | None = None,
+                  data_parallel_size: int = 1) -> None:
         """``model``: the served model name; ``tokenizer``: where vLLM loaded its tokenizer from (token
-        texts); ``model_path``: vLLM's model argument (provenance)."""
+        texts); ``model_path``: vLLM's model argument (provenance); ``kv_endpoint``: rank 0's KV-event
+        endpoint (rank ``r`` publishes on :func:`.kv_events.rank_endpoint`); only API server 0
+        subscribes."""
         self.model = model
         self.tokenizer_path = tokenizer
         self.model_path = model_path
         self.block_size = block_size
         self.config = config
         endpoint = self.settings.kv_endpoint or kv_endpoint
-        if endpoint and endpoint != "off" and self.subscriber is None:
-            address, bind = subscriber_endpoint(endpoint)
-            subscriber = KVEventSubscriber(address, self.index, bind=bind).start()
+        if endpoint and endpoint != "off" and not self._kv_tried and self.client == 0:
+            self._kv_tried = True  # once per process (vLLM configures one stat logger per engine)
+            places = [subscriber_endpoint(rank_endpoint(endpoint, r)) for r in range(max(data_parallel_size, 1))]
+            addresses, bind = [a for a, _ in places], places[0][1]
+            subscriber = KVEventSubscriber(addresses, self.index, bind=bind).start()
             if subscriber.error is None:
                 self.subscriber = subscriber
+                self.kv_endpoints = addresses
             else:
                 log.warning("sparseety: cannot subscribe to KV events at %s (%s); prefix-cache blocks are "
-                            "not recorded", address, subscriber.error)
+                            "not recorded", ", ".join(addresses), subscriber.error)
         self.start()
 
     def start(self) -> None:
@@ -224,12 +242,14 @@ class Observer:
             self._enqueue(capture)
         self.start()
 
-    def on_finished_stats(self, finished: Any) -> None:
-        """Join one of vLLM's ``FinishedRequestStats`` to its capture (stat-logger path)."""
+    def on_finished_stats(self, finished: Any, engine: int | None = None) -> None:
+        """Join one of vLLM's ``FinishedRequestStats`` to its capture (stat-logger path); ``engine``: the
+        index of the engine whose stat logger reported it (its data-parallel rank)."""
         capture = self._captures.pop(finished.request_id, None)
         if capture is None:
             self.unjoined += 1
             return
+        capture.engine = engine
         capture.finish_reason = _reason(finished.finish_reason)
         capture.num_cached_tokens = int(finished.num_cached_tokens)
         capture.num_preemptions = int(finished.num_preemptions)
@@ -242,11 +262,11 @@ class Observer:
         }
         self._enqueue(capture)
 
-    def on_prefix_cache_stats(self, stats: Any) -> None:
+    def on_prefix_cache_stats(self, stats: Any, engine: int | None = None) -> None:
         """vLLM's per-step prefix-cache stats: what resumed (preempted) requests had to prefill again."""
         recomputed = int(stats.preempted_queries) - int(stats.preempted_hits)
         if recomputed > 0:
-            self.metrics.recomputed_tokens.inc(recomputed)
+            self.metrics.recomputed_tokens.labels(engine=_engine_label(engine)).inc(recomputed)
 
     def _enqueue(self, capture: Capture) -> None:
         if len(self._ready) >= self.settings.queue_size:
@@ -345,32 +365,34 @@ class Observer:
     def _count_kv(self, changes: list[KVChange]) -> None:
         m = self.metrics
         for change in changes:
+            engine = str(change.rank)
             if change.kind == "stored":
-                m.kv_blocks_stored.inc()
+                m.kv_blocks_stored.labels(engine=engine).inc()
             else:
-                m.kv_blocks_evicted.inc()
-                m.kv_tokens_evicted.inc(len(change.block.token_ids))
+                m.kv_blocks_evicted.labels(engine=engine).inc()
+                m.kv_tokens_evicted.labels(engine=engine).inc(len(change.block.token_ids))
 
     def _record(self, c: Capture) -> None:
         m = self.metrics
-        m.prompt_tokens.inc(len(c.prompt_ids))
-        m.generation_tokens.inc(len(c.output_ids))
-        m.request_success.labels(finish_reason=c.finish_reason or "unknown").inc()
-        m.cached_tokens.inc(c.num_cached_tokens)
+        engine = _engine_label(c.engine)
+        m.prompt_tokens.labels(engine=engine).inc(len(c.prompt_ids))
+        m.generation_tokens.labels(engine=engine).inc(len(c.output_ids))
+        m.request_success.labels(engine=engine, finish_reason=c.finish_reason or "unknown").inc()
+        m.cached_tokens.labels(engine=engine).inc(c.num_cached_tokens)
         preemptions = c.num_preemptions if c.num_preemptions is not None else len(c.preempted_at)
-        m.preemptions.inc(preemptions)
+        m.preemptions.labels(engine=engine).inc(preemptions)
         recomputed = sum(len(c.prompt_ids) + n for n in c.preempted_at)
-        m.freed_tokens.inc(recomputed)
-        m.draft_tokens.inc(c.num_draft_tokens)
-        m.draft_accepted.inc(c.num_accepted_tokens)
-        m.draft_rejected.inc(c.num_draft_tokens - c.num_accepted_tokens)
+        m.freed_tokens.labels(engine=engine).inc(recomputed)
+        m.draft_tokens.labels(engine=engine).inc(c.num_draft_tokens)
+        m.draft_accepted.labels(engine=engine).inc(c.num_accepted_tokens)
+        m.draft_rejected.labels(engine=engine).inc(c.num_draft_tokens - c.num_accepted_tokens)
         if self.writer is None:
             return
         tier = min(self.settings.tier, 2)  # tier 3 only for sampled requests, with their importance
         arrays: dict[str, Any] = {}
         blocks = []
         if self.block_size and self.subscriber is not None:
-            blocks = self.index.prompt_blocks(c.prompt_ids, self.block_size)
+            blocks = self.index.prompt_blocks(c.prompt_ids, self.block_size, rank=c.engine or 0)
             self.index.mark_used(blocks, c.request_id)
         chunks = self._chunks.pop(c.internal_id, [])
         drafts = self._drafts.pop(c.internal_id, [])
@@ -419,6 +441,8 @@ class Observer:
             "block_size": self.block_size,
             "kv_blocks_held": held[1] if held else None,
             "draft_ids_recorded": bool(drafts),
+            "data_parallel_rank": c.engine,
+            "api_server": self.client,
         }
         run = VllmRun(
             request_id=c.request_id,
@@ -496,6 +520,14 @@ class Observer:
 
     def _record_window(self) -> None:
         changes, self._window = self._window, []
+        by_rank: dict[int, list[KVChange]] = {}
+        for change in changes:
+            by_rank.setdefault(change.rank, []).append(change)
+        for rank in sorted(by_rank):
+            self._record_rank_window(rank, by_rank[rank])
+
+    def _record_rank_window(self, rank: int, changes: list[KVChange]) -> None:
+        """One ``vllm-prefix-cache`` record: one DP rank's cache changes in one window."""
         stored, removed = EventGroup(), EventGroup()
         blocks = []
         for change in changes:
@@ -517,9 +549,10 @@ class Observer:
                 "removed_blocks": sum(b["event"] == "removed" for b in blocks),
                 "removed_unknown_total": self.index.removed_unknown, "cleared_total": self.index.cleared,
                 "dropped_changes_total": sub.dropped_changes if sub else 0,
-                "seq_gaps_total": sub.seq_gaps if sub else 0}
+                "seq_gaps_total": sub.seq_gaps if sub else 0, "data_parallel_rank": rank,
+                "endpoint": self.kv_endpoints[rank] if rank < len(self.kv_endpoints) else None}
         run = VllmRun(
-            request_id=f"vllm-kv-{os.getpid()}-{first}-{last}-{self._window_count}",
+            request_id=f"vllm-kv-{os.getpid()}-r{rank}-{first}-{last}-{self._window_count}",
             model=self.model, prompt_ids=[], output_ids=[], tier=2, policy=KV_POLICY,
             params={"engine": ENGINE, **self.config}, evicted_positions=len(removed),
             eviction_events=len(removed), provenance=provenance({"vllm_config": self.config, "model_path": self.model_path}),
@@ -592,6 +625,22 @@ def _importance_inbox(channel: str | None) -> Any:
         return None
 
 
+def _client_channel(client: int) -> str | None:
+    """The channel this API server binds (None when the plugin set none)."""
+    base = os.environ.get("SPARSEETY_VLLM_CHANNEL")
+    if not base:
+        return None
+    from sparseety.integrations.vllm.plugin import client_channel
+
+    return client_channel(client, base)
+
+
+def _engine_label(engine: int | None) -> str:
+    """The ``engine`` label of a ``sparseety:`` counter: vLLM's engine index (``unknown`` without its
+    stat logger)."""
+    return "unknown" if engine is None else str(engine)
+
+
 def _reason(finish_reason: Any) -> str | None:
     if finish_reason is None:
         return None
@@ -603,10 +652,10 @@ _OBSERVER: Observer | None = None
 _OBSERVER_LOCK = threading.Lock()
 
 
-def observer() -> Observer:
-    """The process's observer (created on first use)."""
+def observer(client: int = 0) -> Observer:
+    """The process's observer (created on first use; ``client``: this API server's index, used then)."""
     global _OBSERVER
     with _OBSERVER_LOCK:
         if _OBSERVER is None:
-            _OBSERVER = Observer()
+            _OBSERVER = Observer(client=client)
         return _OBSERVER

@@ -21,7 +21,12 @@ API server, one ``[kind, records]`` message per step and kind:
   finished, or was preempted): the KV-cache bytes of the blocks it held.
 
 The first process to register picks the channel (``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and
-the processes it spawns inherit it.
+the processes it spawns inherit it. With ``--api-server-count N`` each API server (vLLM's client index
+``k``, ``ParallelConfig._api_process_rank``) binds its own channel, :func:`client_channel` (``k = 0``: the
+channel itself), and the engine core sends each record to the channel of the API server that owns the
+request (``Request.client_index``, the index vLLM routes the request's outputs by), so every request's
+records reach the one process that records it. With ``--data-parallel-size N`` every engine core's
+scheduler sends on these channels (PUSH sockets from many processes into one PULL).
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ def channel() -> str:
         name = f"sparseety-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         os.environ[CHANNEL_ENV] = "ipc://" + os.path.join(tempfile.gettempdir(), name)
     return os.environ[CHANNEL_ENV]
+
+
+def client_channel(client: int, base: str | None = None) -> str:
+    """The channel API server ``client`` binds (vLLM's client index): the base channel for 0, else
+    ``<base>-c<client>.sock`` beside it."""
+    base = base if base is not None else channel()
+    if client <= 0:
+        return base
+    return (base[: -len(".sock")] if base.endswith(".sock") else base) + f"-c{client}.sock"
 
 
 def register() -> None:
@@ -163,16 +177,24 @@ class _ChunkSender:
         import zmq
 
         self._zmq = zmq
-        self._socket = zmq.Context.instance().socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, 10_000)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(channel())
+        self._sockets: dict[int, Any] = {}  #: API server (client index) -> PUSH to its channel
         self._encode = msgspec.msgpack.Encoder().encode
         self.dropped = 0
 
-    def send(self, kind: str, records: list[list]) -> None:
+    def _socket(self, client: int) -> Any:
+        sock = self._sockets.get(client)
+        if sock is None:
+            zmq = self._zmq
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(client_channel(client))
+            self._sockets[client] = sock
+        return sock
+
+    def send(self, kind: str, records: list[list], client: int = 0) -> None:
         try:
-            self._socket.send(self._encode([kind, records]), self._zmq.NOBLOCK)
+            self._socket(client).send(self._encode([kind, records]), self._zmq.NOBLOCK)
         except self._zmq.Again:
             self.dropped += len(records)
 
@@ -207,21 +229,34 @@ def _patch_scheduler(loud: bool) -> None:
         chunks = guarded("prefill-chunks", chunks_of, self, args, kwargs)
         result = original(self, *args, **kwargs)
         if chunks:
-            guarded("prefill-chunks", _send, "chunk", chunks)
+            guarded("prefill-chunks", _send, "chunk", chunks, self.requests)
         return result
 
     _install(Scheduler, "_update_after_schedule", "prefill-chunks", original, _update_after_schedule)
 
 
-def _send(kind: str, records: list[list]) -> None:
-    """Send on the channel, opened on first use (tried once: a channel that cannot open stays shut)."""
+def _send(kind: str, records: list[list], requests: Any = None) -> None:
+    """Send on the channel, opened on first use (tried once: a channel that cannot open stays shut).
+
+    ``requests`` (the scheduler's ``request id -> Request``): each record (``[request id, ...]``) goes to
+    the API server that owns its request (``Request.client_index``; 0 for a request not there)."""
     global _SENDER, _SENDER_TRIED
     if _SENDER is None:
         if _SENDER_TRIED:
             return
         _SENDER_TRIED = True
         _SENDER = _ChunkSender()
-    _SENDER.send(kind, records)
+    by_client: dict[int, list[list]] = {}
+    requests = requests or {}
+    for record in records:
+        by_client.setdefault(_client_of(requests.get(record[0])), []).append(record)
+    for client, part in by_client.items():
+        _SENDER.send(kind, part, client)
+
+
+def _client_of(request: Any) -> int:
+    """The API server (client index) that owns ``request``: where vLLM sends its outputs."""
+    return int(getattr(request, "client_index", 0) or 0)
 
 
 def _scheduler_class(hook: str, loud: bool) -> Any:
@@ -287,7 +322,7 @@ def _patch_drafts(loud: bool) -> None:
         drafts = guarded("drafts", on_step, self, args, kwargs)
         result = original(self, *args, **kwargs)
         if drafts:
-            guarded("drafts", _send, "draft", drafts)
+            guarded("drafts", _send, "draft", drafts, self.requests)
         return result
 
     _install(Scheduler, "update_from_output", "drafts", original, update_from_output)
@@ -315,10 +350,11 @@ def _patch_kv_blocks(loud: bool) -> None:
         return
 
     def _free_request_blocks(self, *args, **kwargs):
-        held = guarded("kv-blocks", blocks_of, self, _arg(args, kwargs, 0, "request"))
+        request = _arg(args, kwargs, 0, "request")
+        held = guarded("kv-blocks", blocks_of, self, request)
         result = original(self, *args, **kwargs)
         if held:
-            guarded("kv-blocks", _send, "kv", held)
+            guarded("kv-blocks", _send, "kv", held, {request.request_id: request})
         return result
 
     _install(Scheduler, "_free_request_blocks", "kv-blocks", original, _free_request_blocks)

@@ -2,6 +2,9 @@
 
 vLLM builds one per engine in the API-server process when it serves asynchronously (``vllm serve``) and
 calls :meth:`record` after every engine step with the step's ``SchedulerStats`` and ``IterationStats``.
+With ``--data-parallel-size N`` that is one per engine (``engine_index``: the DP rank), in every API
+server (``--api-server-count``); each reports the requests of its engine that its API server owns, and
+the observer records them with that engine index.
 The finished requests' ``FinishedRequestStats`` (finish reason, ``num_cached_tokens``, preemptions,
 queue/prefill/decode times) are joined to what the output hooks captured; the ``sparseety:`` metric
 families live in the process's default Prometheus registry, which vLLM's own ``/metrics`` serves.
@@ -58,6 +61,13 @@ def kv_endpoint(vllm_config: Any) -> str | None:
     return None
 
 
+def api_server_index(parallel_config: Any) -> int:
+    """This API server's index among ``--api-server-count`` of them (vLLM's client index, which it
+    routes each request's outputs by; ``ParallelConfig._api_process_rank``, 0 with one API server)."""
+    index = getattr(parallel_config, "_api_process_rank", 0)
+    return int(index) if isinstance(index, int) and index > 0 else 0
+
+
 def served_name(model_config: Any) -> str:
     """The name clients use for the model: ``--served-model-name`` (vLLM's first one). Without it vLLM
     serves the model argument itself; when that is a local directory, the trace names the model by the
@@ -85,7 +95,8 @@ class SparseetyStatLogger(StatLoggerBase):
     def _configure(self, vllm_config: Any) -> None:
         from sparseety.integrations.vllm.observer import observer
 
-        obs = observer()
+        parallel = getattr(vllm_config, "parallel_config", None)
+        obs = observer(client=api_server_index(parallel))
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
         spec = getattr(vllm_config, "speculative_config", None)
@@ -95,6 +106,7 @@ class SparseetyStatLogger(StatLoggerBase):
             model_path=str(model_config.model),
             block_size=cache_config.block_size if cache_config.enable_prefix_caching else None,
             kv_endpoint=kv_endpoint(vllm_config),
+            data_parallel_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
             config={
                 "block_size": cache_config.block_size,
                 "enable_prefix_caching": bool(cache_config.enable_prefix_caching),
@@ -102,6 +114,8 @@ class SparseetyStatLogger(StatLoggerBase):
                 "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec else None,
                 "max_model_len": model_config.max_model_len,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
+                "data_parallel_size": int(getattr(parallel, "data_parallel_size", 1) or 1),
+                "api_server_count": int(getattr(parallel, "_api_process_count", 1) or 1),
             },
         )
         obs.has_stat_logger = True  # only once configured: else the output hooks write records alone
@@ -114,11 +128,11 @@ class SparseetyStatLogger(StatLoggerBase):
     def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         prefix_cache_stats = getattr(scheduler_stats, "prefix_cache_stats", None)
         if prefix_cache_stats is not None:
-            self.observer.on_prefix_cache_stats(prefix_cache_stats)
+            self.observer.on_prefix_cache_stats(prefix_cache_stats, self.engine_index)
         if iteration_stats is None:
             return
         for finished in iteration_stats.finished_requests:
-            self.observer.on_finished_stats(finished)
+            self.observer.on_finished_stats(finished, self.engine_index)
 
     def log_engine_initialized(self, *args: Any, **kwargs: Any) -> None:
         pass
