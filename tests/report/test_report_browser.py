@@ -169,7 +169,7 @@ def test_two_reports_embedded_in_one_page(browser, real_trace, tmp_path: Path):
 def test_tier1_ids_only_trace_draws_without_scores(browser, real_trace, tmp_path: Path):
     """No importance, no final cache, no token texts: the page still draws and says what is missing."""
     document = copy.deepcopy(real_trace.document)
-    document.update(tier=1, token_texts=[], important_tokens=[])
+    document.update(tier=1, token_texts=[], important_tokens=[], ids_only=True)  # as the reader sets it
     document["sparsity"]["kept_positions_final"] = None
     arrays = {k: v for k, v in real_trace.arrays.items() if k.startswith("evicted.")}
     trace = StoredTrace(document=document, arrays=arrays, path=real_trace.path)
