@@ -135,3 +135,39 @@ def test_ids_and_channel():
     assert external_id("cmpl-1234-0-a1b2c3d4") == "cmpl-1234-0"
     assert external_id("plain") == "plain"
     assert importance_channel("ipc:///tmp/x.sock") == "ipc:///tmp/x-importance.sock"
+
+
+@pytest.mark.parametrize("mode", ["attention", "value"])
+def test_shared_blocks_complete_a_prefix_cache_hit(tensors, mode):
+    """Request A computes positions 0..10; B (same first 8 tokens, block size 4) is served 0..7 from the
+    prefix cache: the two full blocks A saved give B every key, so B's sums equal the full computation."""
+    from sparseety.integrations.vllm.attention_capture import SharedBlocks
+
+    q, k, v = tensors
+    prompt, outputs, block = 11, 4, 4
+    tokens_a = list(range(100, 111))
+    tokens_b = tokens_a[:8] + [7, 8, 9]
+    shared = SharedBlocks(limit=8)
+    a = RequestCapture("a", tier=2, mode=mode, prompt_len=prompt, layers=LAYERS)
+    drive(a, q, k, v, [(0, 11, None)])
+    shared.save(a, tokens_a, block)
+    assert len(shared.blocks) == 2 and a.saved_blocks == 2  # the third block (8..11) is not full
+    b = RequestCapture("b", tier=2, mode=mode, prompt_len=prompt, layers=LAYERS)
+    b.begin(8, 3)
+    shared.fill(b, tokens_b, block, 8)
+    assert b.shared == 8
+    rows = list(range(10, 11))
+    for layer in range(LAYERS):  # the first forward of B (begin already called above)
+        b.write(layer, 8, torch.as_tensor(k[layer, :, 8:11].swapaxes(0, 1)), torch.as_tensor(v[layer, :, 8:11].swapaxes(0, 1)))
+        b.score(layer, 8, torch.as_tensor(q[layer, 8:11]), rows, SCALE)
+    drive(b, q, k, v, [(p, 1, None) for p in range(11, 14)])
+    result = b.result()
+    assert result["unscored"] == [] and result["shared"] == 8
+    seen = prompt + outputs - 1
+    sums, _, _ = summed_rows(result, seen)
+    np.testing.assert_allclose(sums, reference(q, k, v, range(prompt - 1, seen), mode)[:, :seen], rtol=1e-5, atol=1e-7)
+    # a different first block: nothing shared, the cached positions unscored
+    c = RequestCapture("c", tier=2, mode=mode, prompt_len=prompt, layers=LAYERS)
+    c.begin(8, 3)
+    shared.fill(c, [1] + tokens_b[1:], block, 8)
+    assert c.shared == 0

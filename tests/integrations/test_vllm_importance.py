@@ -80,10 +80,13 @@ def traffic(server):
     out["tier3"] = complete(PROMPTS["tier3"], 6, sparseety_tier=3)
     out["shared"] = [complete(SHARED + "Question one: what does it guarantee?", 8),
                      complete(SHARED + "Question two: who may change it?", 8)]
+    # the same prefix, but the request that fills the prefix cache records no importance of its own
+    out["unshared"] = [complete("Preface. " + SHARED + "Question three: is it free?", 8, sparseety_importance="off"),
+                       complete("Preface. " + SHARED + "Question four: what is copyleft?", 8)]
     with ThreadPoolExecutor(3) as pool:  # 3 x (~250 + 200) tokens > the 1,024-token KV cache: preemption
         out["long"] = list(pool.map(lambda prompt: complete(prompt, 200), LONG))
     responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], *out["shared"],
-                 *out["long"]]
+                 *out["unshared"], *out["long"]]
     deadline = time.monotonic() + 90
     con = None
     while time.monotonic() < deadline:
@@ -190,17 +193,27 @@ def test_tier3_request_stores_each_steps_vector(server, traffic):
     assert trace.document["tier"] == 3
 
 
-def test_prefix_cache_hit_positions_are_explicitly_unscored(server, traffic, smollm_engine):
-    con = traffic["con"]
+def test_prefix_cache_hit_after_a_sampled_request_ranks_completely(server, traffic, smollm_engine):
+    """The second request of a shared-prefix pair never computes its cached positions; the keys the first
+    (sampled) request computed there complete it: the ranking equals the own engine's on the whole prompt."""
     first, second = traffic["responses"]["shared"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= BLOCK_SIZE and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    # the first request computed every position: its ranking is complete and exact
-    check_exact(server, con, traffic["stored"](first), _own(smollm_engine, first, "value"), "value")
-    # the second never saw the keys of its cached positions: each is stored, counted, left out of the rankings
+    assert cached >= 2 * BLOCK_SIZE and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for response in (first, second):
+        check_exact(server, traffic["con"], traffic["stored"](response), _own(smollm_engine, response, "value"),
+                    "value")
+    assert traffic["stored"](second)["extra"]["vllm"]["importance"]["shared_positions"] == cached
+
+
+def test_prefix_cache_hit_positions_nobody_sampled_are_explicitly_unscored(server, traffic):
+    con = traffic["con"]
+    first, second = traffic["responses"]["unshared"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 2 * BLOCK_SIZE
+    assert traffic["stored"](first)["extra"]["vllm"]["importance"]["status"] == "not_sampled"
     stored = traffic["stored"](second)
     info = stored["extra"]["vllm"]["importance"]
-    assert info["status"] == "recorded" and info["unscored_positions"] == cached, info
+    assert info["status"] == "recorded" and info["unscored_positions"] == cached and info["shared_positions"] == 0
     rows = con.sql("SELECT position, token_id FROM token_events WHERE request_id = ? AND event = 'unscored' "
                    "ORDER BY position", params=[stored["request_id"]]).fetchall()
     prompt = second["choices"][0]["prompt_token_ids"]

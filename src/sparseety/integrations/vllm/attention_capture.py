@@ -28,8 +28,10 @@ then folded into per-layer sums. Rows that may still be replaced (the newest one
 tokens under speculative decoding, which a rejection re-feeds) stay *pending*, one ``[layers, q + 1]``
 vector each, and travel with the result: the observer keeps those below ``prompt_len + outputs - 1``. A
 preempted request recomputed later re-scores no folded row. Positions whose keys this request never wrote
-(a prefix-cache hit) cannot be scored: its rows attend over the keys it holds (the softmax renormalized over
-them) and the positions are sent as ``unscored``, stored and counted by the observer.
+(a prefix-cache hit) are taken from :class:`SharedBlocks`, the keys of full prompt blocks earlier sampled
+requests computed, by the hash of the tokens up to the block's end; what is not there cannot be scored:
+its rows attend over the keys it holds (the softmax renormalized over them) and the positions are sent as
+``unscored``, stored and counted by the observer.
 
 Why one message per request, at finish, rather than one per step: a step's rows are a few kB per layer;
 sent per step they would cost a ZMQ message per sampled request and forward, and a dropped message would
@@ -42,7 +44,7 @@ Settings (read in the worker): the observer's ``SPARSEETY_TRACE_DIR`` / ``SPARSE
 ``SPARSEETY_TIER`` (:func:`.settings.parse_settings`: sampled requests at tier >= 2, by the same request-id
 hash as the store), ``SPARSEETY_IMPORTANCE`` (``value``, the default, or ``attention``; ``off`` turns the
 capture off). Per request, ``vllm_xargs`` ``{"sparseety_tier": 3}`` traces it at tier 3 whatever the
-sampling, and ``{"sparseety_importance": "attention"}`` picks its mode.
+sampling, and ``{"sparseety_importance": "attention"}`` picks its mode (``"off"``: none for this request).
 
 This module imports neither vLLM nor torch at import time (torch is imported in the worker, on first use).
 """
@@ -134,6 +136,9 @@ class RequestCapture:
         self.steps: dict[int, Any] = {}  #: tier 3: q -> float16 ``[layers, q + 1]``
         self.unscored: set[int] = set()
         self.rows = 0  #: rows scored (per layer)
+        self.shared = 0  #: positions whose keys came from another sampled request (:class:`SharedBlocks`)
+        self.saved_blocks = 0  #: prompt blocks offered to :class:`SharedBlocks`
+        self.started = False
 
     def _grow(self, end: int) -> None:
         torch = self.torch
@@ -164,8 +169,9 @@ class RequestCapture:
             self.steps[q] = score.half()
         self.folded.add(q)
 
-    def write(self, layer: int, p0: int, key: Any, value: Any) -> None:
-        """Hold the post-RoPE ``key`` ``[n, kv_heads, d]`` (and the norms of ``value``) at positions ``p0..``."""
+    def write(self, layer: int, p0: int, key: Any, value: Any, norms: Any = None) -> None:
+        """Hold the post-RoPE ``key`` ``[n, kv_heads, d]`` (and the norms of ``value``, or ``norms``
+        ``[kv_heads, n, 1]``) at positions ``p0..``."""
         from sparseety.extract.scoring import slot_norms
 
         torch = self.torch
@@ -178,14 +184,25 @@ class RequestCapture:
                 grown[:, : held.shape[1]] = held
             self.keys[layer] = held = grown
             if self.attention is not None:
-                norms = torch.zeros(key.shape[1], cap, 1, dtype=torch.float32, device=key.device)
+                grown_norms = torch.zeros(key.shape[1], cap, 1, dtype=torch.float32, device=key.device)
                 if self.norms[layer] is not None:
-                    norms[:, : self.norms[layer].shape[1]] = self.norms[layer]
-                self.norms[layer] = norms
+                    grown_norms[:, : self.norms[layer].shape[1]] = self.norms[layer]
+                self.norms[layer] = grown_norms
         held[:, p0 : p0 + n] = key.transpose(0, 1).float()
         if self.attention is not None:
-            self.norms[layer][:, p0 : p0 + n] = slot_norms(value.transpose(0, 1), "value")
+            self.norms[layer][:, p0 : p0 + n] = norms if norms is not None else slot_norms(value.transpose(0, 1),
+                                                                                          "value")
         self.written[p0 : p0 + n] = True
+
+    def held(self, layer: int, start: int, end: int) -> tuple[Any, Any]:
+        """Copies of layer ``layer``'s keys ``[kv_heads, end - start, d]`` and norms (None: ``attention``)."""
+        norms = self.norms[layer]
+        return (self.keys[layer][:, start:end].clone(),
+                None if norms is None else norms[:, start:end].clone())
+
+    def fill(self, layer: int, start: int, keys: Any, norms: Any) -> None:
+        """Hold keys ``[kv_heads, n, d]`` (and norms) another sampled request computed at ``start..``."""
+        self.write(layer, start, keys.transpose(0, 1), None, norms=norms)
 
     def score(self, layer: int, p0: int, queries: Any, rows: list[int], scale: float) -> None:
         """Score query positions ``rows`` (ascending, within ``[p0, p0 + len(queries))``) of layer ``layer``:
@@ -240,6 +257,7 @@ class RequestCapture:
             "pending": [[q, raw(s), raw(a) if a is not None else None] for q, (s, a) in sorted(self.pending.items())],
             "steps": [[q, self.steps[q].numpy().tobytes()] for q in sorted(self.steps)],
             "unscored": sorted(self.unscored),
+            "shared": self.shared,
         }
 
 
@@ -266,6 +284,69 @@ class _Sender:
             self.dropped += 1
 
 
+class SharedBlocks:
+    """Keys of full prompt blocks that sampled requests computed, by the hash of the tokens up to the
+    block's end (the same prefix means the same post-RoPE keys), so a sampled request whose prompt vLLM
+    partly served from its prefix cache still scores every position when a sampled request computed them
+    before (or alongside) it. Bounded (least recently used out): ``limit`` blocks of ``layers x kv_heads x
+    block_size x d`` float32 keys each."""
+
+    def __init__(self, limit: int = 64) -> None:
+        from collections import OrderedDict
+
+        self.limit = limit
+        self.blocks: OrderedDict[bytes, list[tuple[Any, Any]]] = OrderedDict()
+
+    @staticmethod
+    def hashes(token_ids: list[int], block_size: int, count: int) -> list[bytes]:
+        import hashlib
+
+        out, parent = [], b""
+        for i in range(count):
+            block = token_ids[i * block_size : (i + 1) * block_size]
+            parent = hashlib.sha256(parent + b"|" + ",".join(map(str, block)).encode()).digest()
+            out.append(parent)
+        return out
+
+    def save(self, capture: RequestCapture, token_ids: list[int], block_size: int) -> None:
+        """Offer ``capture``'s full prompt blocks it now holds completely."""
+        if self.limit <= 0 or not block_size:
+            return
+        full = min(capture.prompt_len, int(capture.written.shape[0])) // block_size
+        if full <= capture.saved_blocks:
+            return
+        hashes = self.hashes(token_ids, block_size, full)
+        for i in range(capture.saved_blocks, full):
+            start, end = i * block_size, (i + 1) * block_size
+            if not bool(capture.written[start:end].all()):
+                break
+            if hashes[i] not in self.blocks:
+                self.blocks[hashes[i]] = [capture.held(layer, start, end) for layer in range(capture.layers)]
+            self.blocks.move_to_end(hashes[i])
+            capture.saved_blocks = i + 1
+        while len(self.blocks) > self.limit:
+            self.blocks.popitem(last=False)
+
+    def fill(self, capture: RequestCapture, token_ids: list[int], block_size: int, upto: int) -> None:
+        """Hold, for ``capture``, the keys of its positions below ``upto`` that a saved block has."""
+        if not block_size:
+            return
+        count = min(upto + block_size - 1, len(token_ids)) // block_size
+        for i, h in enumerate(self.hashes(token_ids, block_size, count)):
+            layers = self.blocks.get(h)
+            if layers is None:
+                break
+            start, end = i * block_size, min((i + 1) * block_size, upto)
+            if end <= start:
+                break
+            if capture.attention is not None and layers[0][1] is None:
+                break  # saved by an ``attention``-mode request: no value norms
+            for layer, (keys, norms) in enumerate(layers):
+                capture.fill(layer, start, keys[:, : end - start], None if norms is None else norms[:, : end - start])
+            self.blocks.move_to_end(h)
+            capture.shared += end - start
+
+
 class Capture:
     """The worker process's capture: sampling decisions, the captures, the step plan, the sender."""
 
@@ -281,6 +362,8 @@ class Capture:
         self.rate = settings.sample_rate
         self.tier = settings.tier
         self.decisions: dict[str, RequestCapture | None] = {}
+        self.shared = SharedBlocks(_shared_limit())
+        self.block_size = 0
         self.step: list[tuple[RequestCapture, int, int, int, list[int]]] | None = None
         self.layer_index: dict[str, int] = {}
         self.layers = 0
@@ -311,10 +394,12 @@ class Capture:
         extra = getattr(params, "extra_args", None) or {}
         tier, mode = self.tier, self.mode
         forced = str(extra.get(TIER_ARG, "")).strip() == "3"
-        if str(extra.get(MODE_ARG, "")).strip() in MODES:
-            mode = str(extra[MODE_ARG]).strip()
+        wanted = str(extra.get(MODE_ARG, "")).strip()
+        if wanted in MODES:
+            mode = wanted
         capture = None
-        if state is not None and self.layers and (forced or should_sample(external_id(req_id), self.rate)):
+        if wanted != "off" and state is not None and self.layers and (
+                forced or should_sample(external_id(req_id), self.rate)):
             capture = RequestCapture(req_id, tier=3 if forced else tier, mode=mode,
                                      prompt_len=int(state.num_prompt_tokens), layers=self.layers)
             self.send(["start", req_id])
@@ -345,8 +430,25 @@ class Capture:
             if e <= s:
                 continue
             p0 = int(flat[s])
-            step.append((capture, s, e, p0, capture.begin(p0, e - s)))
+            rows = capture.begin(p0, e - s)
+            if not capture.started:
+                capture.started = True
+                if p0 > 0:  # a prefix-cache hit: keys other sampled requests computed, where there are
+                    self.block_size = self.block_size or int(runner.cache_config.block_size)
+                    self.shared.fill(capture, list(runner.requests[capture.req_id].prompt_token_ids), self.block_size,
+                                     p0)
+            step.append((capture, s, e, p0, rows))
         self.step = step or None
+
+    def after_forward(self, runner: Any) -> None:
+        """Offer the prompt blocks this forward completed to :class:`SharedBlocks`."""
+        if self.step is None or self.shared.limit <= 0:
+            return
+        self.block_size = self.block_size or int(runner.cache_config.block_size)
+        for capture, *_ in self.step:
+            state = runner.requests.get(capture.req_id)
+            if state is not None and capture.saved_blocks < capture.prompt_len // self.block_size:
+                self.shared.save(capture, list(state.prompt_token_ids), self.block_size)
 
     def finish(self, req_id: str) -> None:
         capture = self.decisions.pop(req_id, None)
@@ -368,6 +470,18 @@ class Capture:
 
 
 _CAPTURE: Capture | None = None
+SHARED_ENV = "SPARSEETY_IMPORTANCE_SHARED_BLOCKS"
+
+
+def _shared_limit() -> int:
+    """``SPARSEETY_IMPORTANCE_SHARED_BLOCKS``: prompt blocks of keys kept for prefix-cache hits (default 64;
+    0 keeps none, and cached positions are then always ``unscored``)."""
+    raw = os.environ.get(SHARED_ENV, "64").strip()
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        log.warning("sparseety: %s=%r is not an integer; 64 blocks kept", SHARED_ENV, raw)
+        return 64
 
 
 def capture() -> Capture:
@@ -420,6 +534,8 @@ def install(loud: bool) -> None:
         try:
             return forward(self, *args, **kwargs)
         finally:
+            if state.step is not None:
+                guarded(HOOK_ROWS, state.after_forward, self)
             state.step = None
 
     def _on_request_state_removed(self, *args, **kwargs):

@@ -13,9 +13,11 @@ float16 in the store), sinks by :func:`sparseety.extract.scoring.find_sinks` (``
 rankings by :func:`sparseety.engine.importance.important_tokens` (all layers, then each layer; the
 tokenizer's special ids and the sinks left out), and at tier 3 ``step_importance``
 ``[steps, layers, positions]``. Positions whose keys the request never computed (read from vLLM's prefix
-cache) are ``unscored``: stored as ``unscored.position`` and ``unscored`` token events, counted in
-``extra_json.vllm.importance.unscored_positions``, and left out of the rankings; the rows then attended
-over the positions the request computed (the softmax renormalized over them).
+cache) and that no earlier sampled request computed either (:class:`.attention_capture.SharedBlocks`;
+those are counted in ``shared_positions``) are ``unscored``: stored as ``unscored.position`` and
+``unscored`` token events, counted in ``extra_json.vllm.importance.unscored_positions``, and left out of
+the rankings; the rows then attended over the positions the request held (the softmax renormalized
+over them).
 
 torch, and :mod:`sparseety.engine` (transformers), are imported on the first sampled request only.
 """
@@ -219,6 +221,7 @@ def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_
     # fewer rows than outputs: forwards the wrapper never saw (e.g. attention inside a full CUDA graph)
     return {"status": "recorded" if rows == n_out else "partial", "mode": mode, "rows": rows, "expected_rows": n_out,
             "layers": int(result["layers"]), "sinks": sinks, "unscored_positions": len(unscored),
+            "shared_positions": int(result.get("shared", 0)),
             "tier": tier}
 
 
