@@ -1,0 +1,115 @@
+"""What the important tokens of a sampled vLLM request cost per generated token, at 1k and 4k contexts.
+
+One ``vllm serve`` (side venv, default model, float32, eager, prefix caching on) with the observer at
+sample rate 1. Requests alternate between importance on (``vllm_xargs`` ``sparseety_importance: value``)
+and off for that request (``"off"``), one at a time, each with a prompt of its own (distinct first words:
+no prefix-cache hits), greedy, ``--max-tokens`` tokens with EOS ignored. The figure per context is the
+median of vLLM's own decode time per token (``decode_s / (outputs - 1)``, from the stored record), on
+against off, and their ratio; prefill time likewise. Prints a table and saves
+``benchmarks/results/vllm_importance_cost.json``.
+
+    .venv/bin/python benchmarks/vllm_importance_cost.py [--contexts 1024 4096] [--repeats 3] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+
+WORDS = ("river stone lamp orbit cedar violet signal harbor copper meadow lantern quartz ember falcon "
+         "willow prism canyon tide glacier saffron beacon thistle cobalt marble").split()
+
+
+def prompt_ids(tokenizer, seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer(" ".join(rng.choice(WORDS) for _ in range(64)), add_special_tokens=False).input_ids
+    return ids[:n]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_importance_cost.json")
+    args = parser.parse_args()
+
+    import vllm_server
+    from transformers import AutoTokenizer
+
+    from sparseety.models.registry import resolve_model_dir
+    from sparseety.store import connect
+
+    model = resolve_model_dir("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    longest = max(args.contexts) + args.max_tokens + 64
+    vllm_server.MAX_MODEL_LEN = longest
+    vllm_server.NUM_BLOCKS = longest // vllm_server.BLOCK_SIZE + 4
+    vllm_server.MAX_BATCHED_TOKENS = 2048
+    base = Path(tempfile.mkdtemp(prefix="sparseety-importance-cost-"))
+    server = vllm_server.VllmServer(model, base / "traces", base / "vllm.log")
+    cut = server.args.index("--speculative-config")  # the live tests' flags, speculative decoding off
+    del server.args[cut : cut + 2]
+    cut = server.args.index("--per-request-spec-decode-metrics")
+    del server.args[cut : cut + 2]
+    server.start()
+    print(f"vllm serve started in {server.startup_s:.1f} s (log: {base / 'vllm.log'})", flush=True)
+    rows: list[dict] = []
+    try:
+        seed = 0
+        for context in args.contexts:
+            for _ in range(args.repeats):
+                for mode in ("off", "value"):
+                    seed += 1
+                    ids = prompt_ids(tokenizer, seed, context)
+                    response = server.complete(ids, args.max_tokens, ignore_eos=True,
+                                               vllm_xargs={"sparseety_importance": mode})
+                    rows.append({"context": context, "mode": mode, "prompt": ids,
+                                 "output": response["choices"][0]["token_ids"]})
+                    print(f"  {context} {mode} done", flush=True)
+        time.sleep(8)
+        con = connect(server.trace_dir)
+        stored = con.sql("SELECT prompt_token_ids, output_token_ids, extra_json FROM requests "
+                         "WHERE policy = 'vllm'").fetchall()
+    finally:
+        server.stop()
+    by_prompt = {tuple(p): json.loads(e)["vllm"] for p, _, e in stored if p}
+    table = []
+    for context in args.contexts:
+        figures = {}
+        for mode in ("off", "value"):
+            infos = [by_prompt[tuple(r["prompt"])] for r in rows if r["context"] == context and r["mode"] == mode]
+            decode = [i["timings"]["decode_s"] / (args.max_tokens - 1) for i in infos]
+            prefill = [i["timings"]["prefill_s"] for i in infos]
+            status = [i.get("importance", {}).get("status") for i in infos]
+            figures[mode] = {"decode_ms_per_token": 1000 * statistics.median(decode),
+                             "prefill_s": statistics.median(prefill), "importance": status,
+                             "decode_ms_each": [round(1000 * d, 2) for d in decode]}
+        on, off = figures["value"], figures["off"]
+        table.append({"context": context, **figures,
+                      "decode_ratio": on["decode_ms_per_token"] / off["decode_ms_per_token"],
+                      "decode_extra_ms_per_token": on["decode_ms_per_token"] - off["decode_ms_per_token"],
+                      "prefill_ratio": on["prefill_s"] / off["prefill_s"]})
+    print(f"\n{'context':>8} {'off ms/tok':>11} {'value ms/tok':>13} {'ratio':>6} {'extra ms/tok':>13} {'prefill ratio':>14}")
+    for t in table:
+        print(f"{t['context']:>8} {t['off']['decode_ms_per_token']:>11.2f} {t['value']['decode_ms_per_token']:>13.2f} "
+              f"{t['decode_ratio']:>6.3f} {t['decode_extra_ms_per_token']:>13.2f} {t['prefill_ratio']:>14.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "max_tokens": args.max_tokens,
+                                    "repeats": args.repeats, "results": table}, indent=2) + "\n")
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
