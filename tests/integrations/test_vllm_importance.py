@@ -191,6 +191,10 @@ def test_tier3_request_stores_each_steps_vector(server, traffic):
     total = np.nansum(steps, axis=0)
     assert np.abs(total - trace.arrays["importance"]).max() <= 5e-3 * np.abs(total).max()
     assert trace.document["tier"] == 3
+    from sparseety.store.replay import replay_inputs  # replay reads the stored per-step vectors
+
+    inputs = replay_inputs(trace)
+    assert len(inputs) == 30 and inputs[3].layer == 3
 
 
 def test_prefix_cache_hit_after_a_sampled_request_ranks_completely(server, traffic, smollm_engine):
