@@ -211,6 +211,29 @@ HOOKS = textwrap.dedent('''
         cls, attr = PATCHED[hook]
         assert getattr(vars(cls).get(attr), hooks.MARK, None) is None  # nothing of ours put in its place
 
+    # ranks: a Request without client_index (the API server that owns it): every engine-core record goes
+    # to API server 0, as with one API server, after one warning; the patches all stay on
+    from types import SimpleNamespace
+
+    from vllm.v1.request import Request
+    restore()
+    real_init = vars(Request)["__init__"]
+
+    def old_init(self, request_id, prompt_token_ids, sampling_params, pooling_params, arrival_time=None):
+        pass
+
+    Request.__init__ = old_init
+    plugin.register()
+    plugin.register()
+    Request.__init__ = real_init
+    assert seen == [off("ranks", "Request.__init__(request_id, prompt_token_ids, sampling_params, pooling_params, "
+                        "client_index, ...) (it has __init__(self, request_id, prompt_token_ids, sampling_params, "
+                        "pooling_params, arrival_time=None))")], seen
+    assert installed() == set(PATCHED) and plugin._client_of(SimpleNamespace(client_index=1)) == 0
+    restore()
+    plugin.register()
+    assert seen == [] and plugin._client_of(SimpleNamespace(client_index=1)) == 1
+
     # a whole module gone: its hook off, the others on
     restore()
     scheduler_module = sys.modules["vllm.v1.core.sched.scheduler"]

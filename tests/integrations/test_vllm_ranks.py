@@ -6,7 +6,8 @@ engine), so nothing is simulated: 24 requests from 4 clients spread over both AP
 hands each connection to one of them) and both engines (vLLM's DP coordinator balances them). Then:
 
 - every request is stored exactly once, by the API server that owns it, with the engine that served it;
-- the engine cores' channel records (prefill chunks, KV bytes) reached the owning API server;
+- the engine cores' channel records (prefill chunks, KV bytes) reached the owning API server, and so did
+  each request's important tokens (the worker sends them to API server 0, which forwards the others');
 - the KV events of both ranks are stored once (by API server 0), each record with its rank and the
   endpoint vLLM's ``GET /kv_event_sources`` names for that rank, and a request's prompt is joined to
   its own rank's cached blocks only;
@@ -119,8 +120,10 @@ def traffic(server):
     rows = con.sql("SELECT request_id, policy, prompt_token_ids, output_token_ids, extra_json FROM requests").fetchall()
     requests = [(rid, list(p or []), list(o or []), json.loads(x)) for rid, pol, p, o, x in rows if pol == "vllm"]
     kv = [(rid, json.loads(x)["vllm_kv"]) for rid, pol, p, o, x in rows if pol == "vllm-prefix-cache"]
+    ranked = con.sql("SELECT DISTINCT request_id FROM important_tokens").fetchall()
     deltas = [{name: delta(per_engine(a, name), per_engine(before, name)) for name in metric_names} for a in after]
-    return {"responses": responses, "requests": requests, "kv": kv, "deltas": deltas, "sources": sources}
+    return {"responses": responses, "requests": requests, "kv": kv, "deltas": deltas, "sources": sources,
+            "ranked": ranked}
 
 
 def test_every_request_is_stored_exactly_once_with_its_api_server_and_engine(traffic):
@@ -147,6 +150,17 @@ def test_engine_core_records_reach_the_api_server_that_owns_the_request(traffic)
         assert chunks, (rid, info["api_server"], info["data_parallel_rank"])
         assert sum(n for _, n in chunks) + info["num_cached_tokens"] == len(prompt_ids), (rid, chunks, info)
         assert info["kv_blocks_held"] and info["kv_blocks_held"] >= len(prompt_ids) // 32, (rid, info)
+
+
+def test_important_tokens_reach_the_api_server_that_owns_the_request(traffic):
+    """Every request is sampled (rate 1, tier 2): the worker's rows reach API server 0, which forwards
+    those of API server 1's requests; each request's ranking is stored with its record, whichever server."""
+    for rid, prompt_ids, output_ids, extra in traffic["requests"]:
+        importance = extra["vllm"]["importance"]
+        assert importance["status"] == "recorded", (rid, extra["vllm"]["api_server"], importance)
+        assert importance["rows"] == len(output_ids)
+    ranked = {r for (r,) in traffic["ranked"]}
+    assert ranked == {r[0] for r in traffic["requests"]}, sorted({r[0] for r in traffic["requests"]} - ranked)
 
 
 def test_kv_events_of_every_rank_are_stored_once_with_their_rank_and_endpoint(traffic):

@@ -34,6 +34,8 @@ and binds its own channel (:func:`.plugin.client_channel`). Only API server 0 su
 events (every data-parallel rank's endpoint) and writes the ``vllm-prefix-cache`` records, one per rank
 and window, so the cache is recorded once. A request's record carries the engine (DP rank) that served
 it, from the per-engine stat logger that reported it; the ``sparseety:`` counters carry it as ``engine``.
+The worker's importance results all reach API server 0, which forwards those of requests another API
+server owns (the scheduler names the owner on the channel) to that server's importance channel.
 """
 
 from __future__ import annotations
@@ -153,6 +155,9 @@ class Observer:
         self._chunks: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
         self._drafts: OrderedDict[str, list[tuple[int, int, list[int], int]]] = OrderedDict()
         self._kv_held: OrderedDict[str, list[int]] = OrderedDict()  #: request -> [peak bytes, peak blocks]
+        self._owners: OrderedDict[str, list[int]] = OrderedDict()  #: request -> [API server, start forwarded]
+        self._forward: dict[int, Any] = {}  #: API server -> PUSH to its importance channel
+        self.forwarded = 0  #: importance results forwarded to the API server that owns the request
         self.dropped_chunks = 0
         self._chunk_thread: threading.Thread | None = None
         self._channel = _client_channel(client)
@@ -289,7 +294,8 @@ class Observer:
             log.exception("sparseety: cannot bind the prefill-chunk channel %s", self._channel)
             return
         decode = msgspec.msgpack.Decoder(tuple[str, list]).decode
-        handlers = {"chunk": self._on_chunks, "draft": self._on_drafts, "kv": self._on_kv_blocks}
+        handlers = {"chunk": self._on_chunks, "draft": self._on_drafts, "kv": self._on_kv_blocks,
+                    "owner": self._on_owners}
         try:
             while not self._stop.is_set():
                 if not sock.poll(100):
@@ -334,6 +340,50 @@ class Observer:
             held = self._per_request(self._kv_held, req_id, lambda: [0, 0])
             held[0], held[1] = max(held[0], int(nbytes)), max(held[1], int(blocks))
 
+    def _on_owners(self, records: list) -> None:
+        """``[request id, API server]`` for requests another API server owns (``owners``, API server 0)."""
+        for req_id, client in records:  # most are never sampled: the oldest simply go (not a loss)
+            self._owners.setdefault(str(req_id), [int(client), 0])
+            while len(self._owners) > 4 * self.settings.queue_size:
+                self._owners.popitem(last=False)
+
+    def forward_importance(self) -> None:
+        """API server 0: hand the worker's importance messages for requests another API server owns to
+        that server's importance channel (``start`` as soon as it came, ``done`` with the result)."""
+        inbox = self._importance
+        if inbox is None or not self._owners:
+            return
+        for req_id, entry in list(self._owners.items()):
+            client, sent = entry
+            if req_id in inbox.results:
+                _, result = inbox.take(req_id)
+                if not sent:
+                    self._forward_to(client, ["start", req_id])
+                self._forward_to(client, ["done", result])
+                self._owners.pop(req_id, None)
+                self.forwarded += 1
+            elif not sent and inbox.waiting(req_id):
+                self._forward_to(client, ["start", req_id])
+                entry[1] = 1
+
+    def _forward_to(self, client: int, message: list) -> None:
+        import msgspec
+        import zmq
+
+        sock = self._forward.get(client)
+        if sock is None:
+            from sparseety.integrations.vllm.attention_capture import importance_channel
+
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(importance_channel(_client_channel(client)))
+            self._forward[client] = sock
+        try:
+            sock.send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_chunks += 1
+
     # -- worker thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(0.05):
@@ -355,6 +405,8 @@ class Observer:
                 if not self._window:
                     self._window_started = time.monotonic()
                 self._window.extend(changes)
+        if self._owners:
+            self.forward_importance()
         now = time.monotonic()
         while self._ready and (final or (now - self._ready[0].finished_at >= CAPTURE_WAIT_S
                                          and not self._importance_pending(self._ready[0], now))):

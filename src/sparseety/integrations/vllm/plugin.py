@@ -18,7 +18,11 @@ API server, one ``[kind, records]`` message per step and kind:
   verify step of speculative decoding: the drafts vLLM verified, where they stand in the sequence, and how
   many of them (a prefix) the target model accepted;
 - ``kv-blocks`` (``kv``): ``[request id, bytes, blocks]`` when vLLM frees a request's KV blocks (it
-  finished, or was preempted): the KV-cache bytes of the blocks it held.
+  finished, or was preempted): the KV-cache bytes of the blocks it held;
+- ``owners`` (``owner``, to API server 0 only, only with ``--api-server-count > 1``): ``[request id,
+  client index]`` for each new request another API server owns. The worker's importance results go to API
+  server 0's importance channel (the worker cannot see a request's client); API server 0 forwards those
+  of other API servers' requests to them (:meth:`.observer.Observer.forward_importance`).
 
 The first process to register picks the channel (``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and
 the processes it spawns inherit it. With ``--api-server-count N`` each API server (vLLM's client index
@@ -69,6 +73,7 @@ def register() -> None:
     try:
         loud = CHANNEL_ENV not in os.environ
         channel()
+        _check_ranks(loud)
         _patch_scheduler(loud)
         _patch_drafts(loud)
         _patch_kv_blocks(loud)
@@ -76,6 +81,23 @@ def register() -> None:
         _patch_attention(loud)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
+
+
+_ROUTE = True  #: route engine-core records to the owning API server (``Request.client_index``)
+
+
+def _check_ranks(loud: bool) -> None:
+    """``ranks``: the engine core reads ``Request.client_index`` to route each record to the API server
+    that owns the request. Without it every record goes to API server 0, as with one API server."""
+    global _ROUTE
+    try:
+        from vllm.v1.request import Request
+    except ImportError:
+        hook_off("ranks", "vllm.v1.request.Request", loud=loud)
+        _ROUTE = False
+        return
+    params = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "client_index")
+    _ROUTE = expect(Request, "__init__", params, "ranks", prefix=True, loud=loud) is not None
 
 
 def _patch_attention(loud: bool) -> None:
@@ -227,12 +249,26 @@ def _patch_scheduler(loud: bool) -> None:
 
     def _update_after_schedule(self, *args, **kwargs):
         chunks = guarded("prefill-chunks", chunks_of, self, args, kwargs)
+        owners = guarded("prefill-chunks", owners_of, self, args, kwargs)
         result = original(self, *args, **kwargs)
         if chunks:
             guarded("prefill-chunks", _send, "chunk", chunks, self.requests)
+        if owners:
+            guarded("prefill-chunks", _send, "owner", owners)
         return result
 
     _install(Scheduler, "_update_after_schedule", "prefill-chunks", original, _update_after_schedule)
+
+
+def owners_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+    """``[request id, client index]`` for the newly scheduled requests that an API server other than 0
+    owns (none with one API server: one attribute read per new request)."""
+    owners = []
+    for new in _arg(args, kwargs, 0, "scheduler_output").scheduled_new_reqs:
+        client = _client_of(scheduler.requests.get(new.req_id))
+        if client > 0:
+            owners.append([new.req_id, client])
+    return owners
 
 
 def _send(kind: str, records: list[list], requests: Any = None) -> None:
@@ -255,8 +291,9 @@ def _send(kind: str, records: list[list], requests: Any = None) -> None:
 
 
 def _client_of(request: Any) -> int:
-    """The API server (client index) that owns ``request``: where vLLM sends its outputs."""
-    return int(getattr(request, "client_index", 0) or 0)
+    """The API server (client index) that owns ``request``: where vLLM sends its outputs (0 when the
+    ``ranks`` check is off)."""
+    return int(getattr(request, "client_index", 0) or 0) if _ROUTE else 0
 
 
 def _scheduler_class(hook: str, loud: bool) -> Any:
