@@ -564,6 +564,11 @@ def wrap_backends(state: Capture) -> None:
     the platform chose), and number the layers. Runs inside vLLM's forward context, at the first forward."""
     from vllm.forward_context import get_forward_context
 
+    split = _model_split()
+    if split:
+        log.warning("sparseety: important tokens of vLLM requests are off: the model is split over %s, and each "
+                    "worker would see only its share of the heads or layers", split)
+        return
     layers = get_forward_context().no_compile_layers
     named: list[tuple[int, str]] = []
     skipped: list[str] = []
@@ -592,6 +597,18 @@ def wrap_backends(state: Capture) -> None:
     state.layers = len(keep)
     log.info("sparseety: important tokens of sampled vLLM requests from %s over %d layers",
              ", ".join(c.__name__ for c in ok), state.layers)
+
+
+def _model_split() -> str | None:
+    """What splits the model over workers (tensor or pipeline parallelism), or None."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
+
+        tp, pp = get_tensor_model_parallel_world_size(), get_pp_group().world_size
+    except Exception:
+        return None  # no parallel state (one process): not split
+    parts = [f"{tp} tensor-parallel ranks" if tp > 1 else "", f"{pp} pipeline stages" if pp > 1 else ""]
+    return " and ".join(p for p in parts if p) or None
 
 
 def _wrap_impl(cls: type) -> bool:
