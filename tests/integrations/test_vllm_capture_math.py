@@ -171,3 +171,14 @@ def test_shared_blocks_complete_a_prefix_cache_hit(tensors, mode):
     c.begin(8, 3)
     shared.fill(c, [1] + tokens_b[1:], block, 8)
     assert c.shared == 0
+
+
+def test_importance_setting():
+    from sparseety.integrations.vllm.attention_capture import parse_mode
+
+    assert parse_mode({}) == ("value", None)
+    assert parse_mode({"SPARSEETY_IMPORTANCE": " Attention "}) == ("attention", None)
+    assert parse_mode({"SPARSEETY_IMPORTANCE": "off"}) == (None, None)
+    mode, problem = parse_mode({"SPARSEETY_IMPORTANCE": "output"})
+    assert mode is None and problem == ("sparseety: SPARSEETY_IMPORTANCE='output' is not one of value, attention, "
+                                        "off; important tokens of vLLM requests are off")
