@@ -19,11 +19,12 @@ import pytest
 import torch
 from vllm_server import BLOCK_SIZE, MAX_BATCHED_TOKENS, VllmServer, require_vllm
 
-from sparseety.store import connect, load_trace
+from sparseety.store import connect, load_trace, should_sample
 
 pytestmark = pytest.mark.model
 
 TOP = 16
+RATE = 0.5  #: the server's sample rate: requests get ids chosen to be sampled, or not, by the store's hash
 TIE = 1e-4
 LAYER_TOL = 1e-3
 PROMPTS = {
@@ -50,42 +51,55 @@ def server(tmp_path_factory):
     from sparseety.models.registry import resolve_model_dir
 
     base = tmp_path_factory.mktemp("vllm-importance")
-    srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log").start()
+    srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log",
+                     extra_env={"SPARSEETY_SAMPLE_RATE": str(RATE)}).start()
     print(f"vllm serve started in {srv.startup_s:.1f} s")
     yield srv
     srv.stop()
 
 
+def request_id(tag: str, sampled: bool) -> str:
+    """A request id (the ``request_id`` field vLLM's API takes) whose stored id the hash samples, or not."""
+    for i in range(10_000):
+        rid = f"importance-{tag}-{i}"
+        if should_sample(f"cmpl-{rid}-0", RATE) == sampled:  # vLLM serves it as cmpl-<id>, prompt 0: -0
+            return rid
+    raise AssertionError("no such id")
+
+
 def _stored(con, response: dict) -> dict:
-    choice = response["choices"][0]
-    rows = con.sql("SELECT request_id, prompt_token_ids, output_token_ids, extra_json FROM requests "
-                   "WHERE policy = 'vllm'").fetchall()
-    for request_id, prompt, output, extra in rows:
-        if list(prompt or []) == choice["prompt_token_ids"] and list(output or []) == choice["token_ids"]:
-            return {"request_id": request_id, "extra": json.loads(extra)}
-    raise KeyError(choice["prompt_token_ids"][:8])
+    rows = con.sql("SELECT request_id, tier, extra_json FROM requests WHERE request_id = ?",
+                   params=[response["id"] + "-0"]).fetchall()
+    if not rows:
+        raise KeyError(response["id"])
+    [(rid, tier, extra)] = rows
+    return {"request_id": rid, "tier": tier, "extra": json.loads(extra)}
 
 
 @pytest.fixture(scope="module")
 def traffic(server):
-    def complete(prompt: str, max_tokens: int = 12, **xargs) -> dict:
+    tags = iter(range(1000))
+
+    def complete(prompt: str, max_tokens: int = 12, sampled: bool = True, **xargs) -> dict:
         extra = {"vllm_xargs": xargs} if xargs else {}
-        return server.complete(prompt, max_tokens, **extra)
+        return server.complete(prompt, max_tokens, request_id=request_id(str(next(tags)), sampled), **extra)
 
     out = {"value": complete(PROMPTS["value"]),
            "attention": complete(PROMPTS["attention"], sparseety_importance="attention")}
     with ThreadPoolExecutor(3) as pool:  # one batch: their rows share forwards
         out["batch"] = list(pool.map(complete, PROMPTS["batch"]))
     out["chunked"] = complete(PROMPTS["chunked"], 8)
-    out["tier3"] = complete(PROMPTS["tier3"], 6, sparseety_tier=3)
+    out["tier3"] = complete(PROMPTS["tier3"], 6, sampled=False, sparseety_tier=3)  # forced, whatever the hash
+    out["unsampled"] = complete(PROMPTS["tier3"] + " eight,", 6, sampled=False)
     out["shared"] = [complete(SHARED + "Question one: what does it guarantee?", 8),
                      complete(SHARED + "Question two: who may change it?", 8)]
     # the same prefix, but the request that fills the prefix cache records no importance of its own
-    out["unshared"] = [complete("Preface. " + SHARED + "Question three: is it free?", 8, sparseety_importance="off"),
+    out["unshared"] = [complete("Preface. " + SHARED + "Question three: is it free?", 8, sampled=False),
                        complete("Preface. " + SHARED + "Question four: what is copyleft?", 8)]
     with ThreadPoolExecutor(3) as pool:  # 3 x (~250 + 200) tokens > the 1,024-token KV cache: preemption
         out["long"] = list(pool.map(lambda prompt: complete(prompt, 200), LONG))
-    responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], *out["shared"],
+    responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], out["unsampled"],
+                 *out["shared"],
                  *out["unshared"], *out["long"]]
     deadline = time.monotonic() + 90
     con = None
@@ -217,7 +231,7 @@ def test_prefix_cache_hit_positions_nobody_sampled_are_explicitly_unscored(serve
     first, second = traffic["responses"]["unshared"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 2 * BLOCK_SIZE
-    assert traffic["stored"](first)["extra"]["vllm"]["importance"]["status"] == "not_sampled"
+    assert traffic["stored"](first)["tier"] == 1  # not sampled: no importance, and none of its keys kept
     stored = traffic["stored"](second)
     info = stored["extra"]["vllm"]["importance"]
     assert info["status"] == "recorded" and info["unscored_positions"] == cached and info["shared_positions"] == 0
@@ -241,3 +255,18 @@ def test_preempted_and_recomputed_request_ranks_as_alone(server, traffic, smollm
     assert preempted, [s["extra"]["vllm"]["num_preemptions"] for s in stored]
     response = traffic["responses"]["long"][preempted[0]]
     check_exact(server, con, stored[preempted[0]], _own(smollm_engine, response, "value"), "value")
+
+
+def test_sampling_is_the_stores_hash(server, traffic):
+    """The worker captures exactly the requests the store keeps above tier 1 (the same hash of the same id),
+    plus those forced to tier 3; the others cost it nothing but a look-up."""
+    unsampled = traffic["stored"](traffic["responses"]["unsampled"])
+    assert unsampled["tier"] == 1 and unsampled["extra"]["vllm"]["importance"] == {"status": "not_sampled"}
+    assert not traffic["con"].sql("SELECT count(*) FROM important_tokens WHERE request_id = ?",
+                                  params=[unsampled["request_id"]]).fetchall()[0][0]
+    forced = traffic["stored"](traffic["responses"]["tier3"])
+    assert not should_sample(forced["request_id"], RATE) and forced["tier"] == 3
+    for response in (traffic["responses"]["value"], *traffic["responses"]["batch"]):
+        stored = traffic["stored"](response)
+        assert should_sample(stored["request_id"], RATE) and stored["tier"] == 2
+        assert stored["extra"]["vllm"]["importance"]["status"] == "recorded"
