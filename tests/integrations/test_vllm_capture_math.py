@@ -20,9 +20,13 @@ LAYERS, HEADS, KV_HEADS, D = 2, 6, 2, 8
 SCALE = 1 / math.sqrt(D)
 
 
+W_O = torch.randn(LAYERS, 16, HEADS * D, generator=torch.Generator().manual_seed(1)).numpy()  # o_proj weights
+
+
 def reference(q_all, k_all, v_all, rows, mode, visible=None):
-    """Per layer, sum over ``rows`` of the mean over heads of softmax(q·K[:q+1]) (times ‖v‖ for ``value``),
-    computed head by head with plain loops; ``visible`` [n] bool limits the keys a row attends to."""
+    """Per layer, sum over ``rows`` of the mean over heads of softmax(q·K[:q+1]) (times ‖v‖ for ``value``,
+    ‖W_O^h v‖ for ``output``), computed head by head with plain loops; ``visible`` [n] bool limits the keys
+    a row attends to."""
     n = k_all.shape[2]
     out = np.zeros((LAYERS, n))
     group = HEADS // KV_HEADS
@@ -36,7 +40,11 @@ def reference(q_all, k_all, v_all, rows, mode, visible=None):
                 z = sum(math.exp(s - top) for s in logits.values())
                 for j, s in logits.items():
                     alpha = math.exp(s - top) / z
-                    weight = float(np.linalg.norm(v_all[layer, kv, j])) if mode == "value" else 1.0
+                    weight = 1.0
+                    if mode == "value":
+                        weight = float(np.linalg.norm(v_all[layer, kv, j]))
+                    elif mode == "output":
+                        weight = float(np.linalg.norm(W_O[layer][:, h * D : (h + 1) * D] @ v_all[layer, kv, j]))
                     out[layer, j] += alpha * weight / HEADS
     return out
 
@@ -63,17 +71,24 @@ def tensors():
     return q, k, v
 
 
-@pytest.mark.parametrize("mode", ["attention", "value"])
+def grams():
+    from sparseety.extract.scoring import output_grams
+
+    return [output_grams(torch.as_tensor(W_O[layer]), HEADS, KV_HEADS) for layer in range(LAYERS)]
+
+
+@pytest.mark.parametrize("mode", ["attention", "value", "output"])
 def test_chunked_prefill_and_decode_equal_the_loop(tensors, mode):
     q, k, v = tensors
     prompt, outputs = 11, 6  # rows at query positions 10..15; position 16 (the last output) is never fed
-    cap = RequestCapture("r", tier=3, mode=mode, prompt_len=prompt, layers=LAYERS)
+    cap = RequestCapture("r", tier=3, mode=mode, prompt_len=prompt, layers=LAYERS,
+                         grams=grams() if mode == "output" else None)
     drive(cap, q, k, v, [(0, 4, None), (4, 4, None), (8, 3, None)] + [(p, 1, None) for p in range(11, 16)])
     seen = prompt + outputs - 1
     sums, att, steps = summed_rows(cap.result(), seen)
     want = reference(q, k, v, range(prompt - 1, seen), mode)[:, :seen]
     np.testing.assert_allclose(sums, want, rtol=1e-5, atol=1e-7)
-    if mode == "value":
+    if mode != "attention":
         np.testing.assert_allclose(att, reference(q, k, v, range(prompt - 1, seen), "attention")[:, :seen],
                                    rtol=1e-5, atol=1e-7)
     assert [s for s, _ in steps] == list(range(prompt - 1, seen))
@@ -179,6 +194,7 @@ def test_importance_setting():
     assert parse_mode({}) == ("value", None)
     assert parse_mode({"SPARSEETY_IMPORTANCE": " Attention "}) == ("attention", None)
     assert parse_mode({"SPARSEETY_IMPORTANCE": "off"}) == (None, None)
-    mode, problem = parse_mode({"SPARSEETY_IMPORTANCE": "output"})
-    assert mode is None and problem == ("sparseety: SPARSEETY_IMPORTANCE='output' is not one of value, attention, "
-                                        "off; important tokens of vLLM requests are off")
+    assert parse_mode({"SPARSEETY_IMPORTANCE": "output"}) == ("output", None)
+    mode, problem = parse_mode({"SPARSEETY_IMPORTANCE": "learned"})
+    assert mode is None and problem == ("sparseety: SPARSEETY_IMPORTANCE='learned' is not one of value, attention, "
+                                        "output, off; important tokens of vLLM requests are off")

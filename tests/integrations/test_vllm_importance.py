@@ -32,6 +32,8 @@ PROMPTS = {
              "The red key is in the",
     "attention": "Alice keeps the red key in the blue box and Bob keeps the green key in the yellow box. "
                  "The green key is in the",
+    "output": "Alice keeps the red key in the blue box and Bob keeps the green key in the yellow box. "
+              "The yellow box holds the",
     "batch": ["The capital of France is Paris, and the capital of Italy is",
               "Water boils at one hundred degrees Celsius, and it freezes at",
               "The three primary colors of light are red, green and"],
@@ -85,7 +87,8 @@ def traffic(server):
         return server.complete(prompt, max_tokens, request_id=request_id(str(next(tags)), sampled), **extra)
 
     out = {"value": complete(PROMPTS["value"]),
-           "attention": complete(PROMPTS["attention"], sparseety_importance="attention")}
+           "attention": complete(PROMPTS["attention"], sparseety_importance="attention"),
+           "output": complete(PROMPTS["output"], sparseety_importance="output")}
     with ThreadPoolExecutor(3) as pool:  # one batch: their rows share forwards
         out["batch"] = list(pool.map(complete, PROMPTS["batch"]))
     out["chunked"] = complete(PROMPTS["chunked"], 8)
@@ -98,7 +101,7 @@ def traffic(server):
                        complete("Preface. " + SHARED + "Question four: what is copyleft?", 8)]
     with ThreadPoolExecutor(3) as pool:  # 3 x (~250 + 200) tokens > the 1,024-token KV cache: preemption
         out["long"] = list(pool.map(lambda prompt: complete(prompt, 200), LONG))
-    responses = [out["value"], out["attention"], *out["batch"], out["chunked"], out["tier3"], out["unsampled"],
+    responses = [out["value"], out["attention"], out["output"], *out["batch"], out["chunked"], out["tier3"], out["unsampled"],
                  *out["shared"],
                  *out["unshared"], *out["long"]]
     deadline = time.monotonic() + 90
@@ -174,7 +177,7 @@ def check_exact(server, con, stored: dict, own, mode: str) -> float:
     return float(errors.max())
 
 
-@pytest.mark.parametrize("mode", ["value", "attention"])
+@pytest.mark.parametrize("mode", ["value", "attention", "output"])
 def test_ranking_equals_the_own_engines(server, traffic, smollm_engine, mode):
     response = traffic["responses"][mode]
     check_exact(server, traffic["con"], traffic["stored"](response), _own(smollm_engine, response, mode), mode)

@@ -66,7 +66,7 @@ HOOK_ATTENTION = "importance-attention"
 HOOK_FINISH = "importance-finish"
 TIER_ARG = "sparseety_tier"
 MODE_ARG = "sparseety_importance"
-MODES = ("value", "attention")  #: ``output`` and ``learned`` need the output projection: not inside vLLM yet
+MODES = ("value", "attention", "output")  #: ``learned`` (per-head weights) is not captured inside vLLM yet
 IMPORTANCE_ENV = "SPARSEETY_IMPORTANCE"
 SEND_HWM = 256
 FORWARD_PARAMS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
@@ -117,10 +117,14 @@ class RequestCapture:
     ``[layers, q + 1]``.
     """
 
-    def __init__(self, req_id: str, *, tier: int, mode: str, prompt_len: int, layers: int) -> None:
+    def __init__(self, req_id: str, *, tier: int, mode: str, prompt_len: int, layers: int,
+                 grams: list[Any] | None = None) -> None:
         import torch
 
+        if mode == "output" and (grams is None or len(grams) != layers):
+            raise ValueError("importance 'output' needs each layer's output-projection Gram matrices")
         self.torch = torch
+        self.grams = grams  #: ``output``: per layer ``[kv_heads, g, d, d]`` (:func:`~sparseety.extract.scoring.output_grams`)
         self.req_id = req_id
         self.tier = tier
         self.mode = mode
@@ -171,7 +175,7 @@ class RequestCapture:
 
     def write(self, layer: int, p0: int, key: Any, value: Any, norms: Any = None) -> None:
         """Hold the post-RoPE ``key`` ``[n, kv_heads, d]`` (and the norms of ``value``, or ``norms``
-        ``[kv_heads, n, 1]``) at positions ``p0..``."""
+        ``[kv_heads, n, 1 or g]``) at positions ``p0..``."""
         from sparseety.extract.scoring import slot_norms
 
         torch = self.torch
@@ -184,15 +188,20 @@ class RequestCapture:
                 grown[:, : held.shape[1]] = held
             self.keys[layer] = held = grown
             if self.attention is not None:
-                grown_norms = torch.zeros(key.shape[1], cap, 1, dtype=torch.float32, device=key.device)
+                width = self.grams[layer].shape[1] if self.mode == "output" else 1
+                grown_norms = torch.zeros(key.shape[1], cap, width, dtype=torch.float32, device=key.device)
                 if self.norms[layer] is not None:
                     grown_norms[:, : self.norms[layer].shape[1]] = self.norms[layer]
                 self.norms[layer] = grown_norms
         held[:, p0 : p0 + n] = key.transpose(0, 1).float()
         if self.attention is not None:
-            self.norms[layer][:, p0 : p0 + n] = norms if norms is not None else slot_norms(value.transpose(0, 1),
-                                                                                          "value")
+            self.norms[layer][:, p0 : p0 + n] = norms if norms is not None else slot_norms(
+                value.transpose(0, 1), self.mode, None if self.grams is None else self.grams[layer])
         self.written[p0 : p0 + n] = True
+
+    def norms_width(self) -> int:
+        """The last axis of the held norms: ``g`` for ``output``, else 1."""
+        return int(self.grams[0].shape[1]) if self.mode == "output" and self.grams else 1
 
     def held(self, layer: int, start: int, end: int) -> tuple[Any, Any]:
         """Copies of layer ``layer``'s keys ``[kv_heads, end - start, d]`` and norms (None: ``attention``)."""
@@ -339,8 +348,9 @@ class SharedBlocks:
             start, end = i * block_size, min((i + 1) * block_size, upto)
             if end <= start:
                 break
-            if capture.attention is not None and layers[0][1] is None:
-                break  # saved by an ``attention``-mode request: no value norms
+            if capture.attention is not None and (layers[0][1] is None or layers[0][1].shape[-1] != (
+                    capture.norms_width())):
+                break  # saved by a request of another mode: not these norms
             for layer, (keys, norms) in enumerate(layers):
                 capture.fill(layer, start, keys[:, : end - start], None if norms is None else norms[:, : end - start])
             self.blocks.move_to_end(h)
@@ -366,6 +376,7 @@ class Capture:
         self.block_size = 0
         self.step: list[tuple[RequestCapture, int, int, int, list[int]]] | None = None
         self.layer_index: dict[str, int] = {}
+        self.grams: list[Any] | None = None  #: ``output`` mode's per-layer Gram matrices (None: unavailable)
         self.layers = 0
         self.wrapped = False
         self.channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
@@ -397,11 +408,14 @@ class Capture:
         wanted = str(extra.get(MODE_ARG, "")).strip()
         if wanted in MODES:
             mode = wanted
+        if mode == "output" and self.grams is None:
+            mode = "value"  # no output projection found: the result says which mode it holds
         capture = None
         if wanted != "off" and state is not None and self.layers and (
                 forced or should_sample(external_id(req_id), self.rate)):
             capture = RequestCapture(req_id, tier=3 if forced else tier, mode=mode,
-                                     prompt_len=int(state.num_prompt_tokens), layers=self.layers)
+                                     prompt_len=int(state.num_prompt_tokens), layers=self.layers,
+                                     grams=self.grams if mode == "output" else None)
             self.send(["start", req_id])
         self.decisions[req_id] = capture
         return capture
@@ -555,8 +569,56 @@ def _plan(state: Capture, runner: Any, positions: Any) -> None:
     if not state.wrapped:
         state.wrapped = True
         wrap_backends(state)
+        if state.layers:
+            state.grams = output_projection_grams(runner, state)
     if state.layers:
         state.plan(runner, positions)
+
+
+def output_projection_grams(runner: Any, state: Capture) -> list[Any] | None:
+    """Per captured layer, :func:`~sparseety.extract.scoring.output_grams` of the ``o_proj`` weight beside its
+    attention (``model.layers.N.self_attn.o_proj`` next to ``...self_attn.attn``). vLLM's CPU build may
+    repack a linear layer's weight and leave an empty one in its place; the weight is then read from the
+    checkpoint's safetensors under the same name. None (``output`` falls back to ``value``) when one is
+    missing."""
+    from sparseety.extract.scoring import output_grams
+
+    modules = dict(runner.model.named_modules())
+    checkpoint: dict[str, Any] | None = None
+    layers: list[Any] = []
+    for name in sorted(state.layer_index, key=state.layer_index.__getitem__):
+        prefix = name.rsplit(".", 1)[0] + ".o_proj"
+        impl = getattr(modules.get(name), "impl", None)
+        if impl is None:
+            return None
+        width = impl.num_heads * impl.head_size
+        weight = getattr(modules.get(prefix), "weight", None)
+        if weight is None or weight.dim() != 2 or weight.shape[1] != width:
+            if checkpoint is None:
+                checkpoint = _checkpoint_tensors(runner, "o_proj.weight")
+            weight = checkpoint.get(prefix + ".weight")
+        if weight is None or weight.dim() != 2 or weight.shape[1] != width:
+            log.warning("sparseety: importance 'output' is off (requests get 'value'): no output projection "
+                        "weight %s.weight of shape [hidden, %d]", prefix, width)
+            return None
+        layers.append(output_grams(weight, impl.num_heads, impl.num_kv_heads))
+    return layers
+
+
+def _checkpoint_tensors(runner: Any, suffix: str) -> dict[str, Any]:
+    """The tensors named ``*suffix`` in the served model's safetensors files (a local directory)."""
+    import glob
+
+    from safetensors import safe_open
+
+    path = str(getattr(getattr(runner, "model_config", None), "model", "") or "")
+    out: dict[str, Any] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if key.endswith(suffix):
+                    out[key] = f.get_tensor(key)
+    return out
 
 
 def wrap_backends(state: Capture) -> None:
