@@ -17,7 +17,7 @@ instruction set, so this module keeps its own copy of what it needs, for sampled
   for each query row to score, the probabilities ``softmax(q·Kᵀ · scale)`` over that request's held keys
   (:func:`sparseety.extract.scoring.row_probs`, the function SparSEEty's own hook point uses), one row per
   layer and step, never a matrix, scored by :func:`~sparseety.extract.scoring.score_row` (modes
-  ``attention`` and ``value``) exactly as the own engine's run context does: averaged over the query heads.
+  ``attention``, ``value`` and ``output``, norms by ``slot_norms`` once at write) exactly as the own engine's run context does: averaged over the query heads.
 - the ``importance-finish`` hook wraps ``_on_request_state_removed`` (vLLM's hook for a finished or
   aborted request) and sends the request's result to the observer.
 
@@ -42,7 +42,7 @@ importance is coming, records it as lost instead of waiting forever.
 
 Settings (read in the worker): the observer's ``SPARSEETY_TRACE_DIR`` / ``SPARSEETY_SAMPLE_RATE`` /
 ``SPARSEETY_TIER`` (:func:`.settings.parse_settings`: sampled requests at tier >= 2, by the same request-id
-hash as the store), ``SPARSEETY_IMPORTANCE`` (``value``, the default, or ``attention``; ``off`` turns the
+hash as the store), ``SPARSEETY_IMPORTANCE`` (``value``, the default, ``attention`` or ``output``; ``off`` turns the
 capture off). Per request, ``vllm_xargs`` ``{"sparseety_tier": 3}`` traces it at tier 3 whatever the
 sampling, and ``{"sparseety_importance": "attention"}`` picks its mode (``"off"``: none for this request).
 
