@@ -9,6 +9,10 @@ several concurrent clients and counts generated tokens per wall-clock second. Th
 the medians (target >= 0.97).
 
     .venv/bin/python benchmarks/vllm_observer_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
+        [--out benchmarks/results/vllm_observer_bench.json]
+
+With the worker's importance capture on (tier 2, ``SPARSEETY_IMPORTANCE`` default ``value``), the sampled
+requests also get their important tokens: the issue's "tier 1 for all plus importance for 5% sampled".
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sample-rate", type=float, default=0.05)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_observer_bench.json")
     args = parser.parse_args()
     if not VLLM.is_file():
         raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
@@ -125,10 +130,15 @@ def main() -> None:
                     print(f"round {round_index} {server.name:8s} {rate:7.1f} tokens/s", flush=True)
         med = {k: statistics.median(v) for k, v in rates.items()}
         ratio = med["observer"] / med["off"]
-        print(json.dumps({"off_tokens_per_s": round(med["off"], 1), "observer_tokens_per_s": round(med["observer"], 1),
-                          "ratio": round(ratio, 3), "target": 0.97, "rounds": args.rounds,
-                          "requests": args.requests, "concurrency": args.concurrency,
-                          "max_tokens": args.max_tokens, "sample_rate": args.sample_rate}))
+        result = {"off_tokens_per_s": round(med["off"], 1), "observer_tokens_per_s": round(med["observer"], 1),
+                  "ratio": round(ratio, 3), "target": 0.97, "rounds": args.rounds,
+                  "requests": args.requests, "concurrency": args.concurrency,
+                  "max_tokens": args.max_tokens, "sample_rate": args.sample_rate,
+                  "per_round": {k: [round(r, 1) for r in v] for k, v in rates.items()},
+                  "load_average_end": list(os.getloadavg())}
+        print(json.dumps(result))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     finally:
         on.stop()
         off.stop()
