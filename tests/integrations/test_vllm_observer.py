@@ -11,9 +11,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from vllm_server import BLOCK_SIZE, MAX_BATCHED_TOKENS, VllmServer, require_vllm
+from vllm_server import BLOCK_SIZE, MAX_BATCHED_TOKENS, VllmServer, require_vllm, wait_for_vllm_rows
 
-from sparseety.store import connect, list_traces, load_trace
+from sparseety.store import connect, load_trace
 
 pytestmark = pytest.mark.model
 
@@ -63,15 +63,7 @@ def traffic(server):
     responses = prefix_pair + distinct + long_runs
     expected = len(responses)
 
-    def stored() -> int:
-        try:
-            return len([t for t in list_traces(server.trace_dir, limit=1000) if t.get("policy") == "vllm"])
-        except Exception:
-            return 0
-
-    deadline = time.monotonic() + 60
-    while stored() < expected and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_vllm_rows(server.trace_dir, expected)
     time.sleep(2.5)  # one more KV-event window after the last request
     after = server.metrics()
     con = connect(server.trace_dir)

@@ -34,9 +34,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from vllm_server import ROOT, VENV, VllmServer, free_port, require_vllm
+from vllm_server import ROOT, VENV, VllmServer, free_port, require_vllm, wait_for_vllm_rows
 
-from sparseety.store import connect, list_traces
+from sparseety.store import connect
 
 pytestmark = pytest.mark.model
 
@@ -107,15 +107,7 @@ def traffic(server):
     with ThreadPoolExecutor(4) as pool:
         responses = list(pool.map(lambda i: server.complete(prompt(i), 4), range(N_REQUESTS)))
 
-    def stored() -> int:
-        try:
-            return len([t for t in list_traces(server.trace_dir, limit=1000) if t.get("policy") == "vllm"])
-        except Exception:
-            return 0
-
-    deadline = time.monotonic() + 60
-    while stored() < N_REQUESTS and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_vllm_rows(server.trace_dir, N_REQUESTS)
     time.sleep(2.5)  # one more KV-event window after the last request
     after = [scrape(server.url) for _ in range(2)]  # two scrapes: either API server may answer
     with urllib.request.urlopen(server.url + "/kv_event_sources", timeout=30) as response:

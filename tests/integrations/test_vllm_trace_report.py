@@ -17,14 +17,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_server import BLOCK_SIZE, ROOT, VllmServer, require_vllm
+from vllm_server import BLOCK_SIZE, ROOT, VllmServer, require_vllm, wait_for_vllm_rows
 
-from sparseety.store import connect, list_traces, load_trace
+from sparseety.store import connect, load_trace
 
 pytestmark = pytest.mark.model
 
@@ -61,15 +60,7 @@ def traffic(server):
     with ThreadPoolExecutor(4) as pool:
         responses += list(pool.map(lambda p: server.complete(p, MAX_TOKENS), PROMPTS[1:]))
 
-    def stored() -> int:
-        try:
-            return len([t for t in list_traces(server.trace_dir, limit=1000) if t.get("policy") == "vllm"])
-        except Exception:
-            return 0
-
-    deadline = time.monotonic() + 60
-    while stored() < len(responses) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_vllm_rows(server.trace_dir, len(responses))
     con = connect(server.trace_dir)
     rows = con.sql("SELECT request_id, prompt_token_ids, output_token_ids FROM requests WHERE policy = 'vllm'"
                    ).fetchall()

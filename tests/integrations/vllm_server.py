@@ -133,3 +133,20 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self._log.close()
+
+
+def wait_for_vllm_rows(trace_dir: Path, expected: int, timeout: float = 60.0) -> int:
+    """Wait until ``trace_dir`` holds ``expected`` vLLM request rows (the observer writes them after the
+    answers go out) or ``timeout`` seconds pass; the number stored."""
+    from sparseety.store import list_traces
+
+    def stored() -> int:
+        try:
+            return len([t for t in list_traces(trace_dir, limit=1000) if t.get("policy") == "vllm"])
+        except Exception:  # a commit in progress: ask again
+            return 0
+
+    deadline = time.monotonic() + timeout
+    while (count := stored()) < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return count
