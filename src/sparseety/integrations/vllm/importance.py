@@ -61,6 +61,11 @@ class ImportanceInbox:
         with self._lock:
             return internal_id in self.started and internal_id not in self.results
 
+    def has_result(self, internal_id: str) -> bool:
+        """True when the worker's result for ``internal_id`` has come."""
+        with self._lock:
+            return internal_id in self.results
+
     def take(self, internal_id: str) -> tuple[bool, dict[str, Any] | None]:
         """``(started, result)`` for ``internal_id``, forgetting both."""
         with self._lock:

@@ -554,7 +554,15 @@ class Observer:
         from sparseety.integrations.vllm.importance import WAIT_S
 
         inbox = self._importance
-        return inbox is not None and now - c.finished_at < WAIT_S and inbox.waiting(c.internal_id)
+        if inbox is None or now - c.finished_at >= WAIT_S:
+            return False
+        if inbox.waiting(c.internal_id):
+            return True
+        # Another API server's request: API server 0 forwards the worker's "start" once the scheduler has
+        # named the owner, which can be after a short request finished here; one the hash samples waits for
+        # its result too (at most WAIT_S), instead of reading as not sampled.
+        return (self.client > 0 and self.settings.tier >= 2 and self._sampled(c.request_id)
+                and not inbox.has_result(c.internal_id))
 
     def _attach_importance(self, run: VllmRun, c: Capture) -> dict[str, Any]:
         """Put ``c``'s important tokens into ``run``; the ``importance`` section of its ``vllm`` info."""
