@@ -197,10 +197,15 @@ class BlockIndex:
     def mark_used(self, blocks: list[Block], request_id: str, keep: int = 64) -> None:
         """Remember that ``request_id``'s prompt used ``blocks`` (the newest ``keep`` per block)."""
         with self.lock:
-            for block in blocks:
-                block.requests.append(request_id)
-                if len(block.requests) > keep:
-                    del block.requests[0]
+            remember_use(blocks, request_id, keep)
+
+
+def remember_use(blocks: list[Block], request_id: str, keep: int) -> None:
+    """Append ``request_id`` to each block's users, keeping the newest ``keep`` (the caller holds its lock)."""
+    for block in blocks:
+        block.requests.append(request_id)
+        if len(block.requests) > keep:
+            del block.requests[0]
 
 
 class RankedBlockIndex:
@@ -232,11 +237,9 @@ class RankedBlockIndex:
         return index.prompt_blocks(token_ids, block_size) if index is not None else []
 
     def mark_used(self, blocks: list[Block], request_id: str, keep: int = 64) -> None:
+        """As :meth:`BlockIndex.mark_used`, under this index's lock."""
         with self.lock:
-            for block in blocks:
-                block.requests.append(request_id)
-                if len(block.requests) > keep:
-                    del block.requests[0]
+            remember_use(blocks, request_id, keep)
 
     @property
     def removed_unknown(self) -> int:
