@@ -36,11 +36,12 @@ def kvzap_policies(path):
         build_policy("kvzap", 21, {"model": str(path), "window": "4"}),
         build_policy("kvzap", None, {"model": str(path), "threshold": "0.0", "window": "6"}),
         build_policy("kvzap", None, {"model": str(path), "threshold": "-0.2", "max_kept": "18"}),
+        build_policy("kvzap", 21, {"model": str(path), "window": "4", "share": "true"}),  # layers share the budget
     ]
 
 
 @pytest.mark.parametrize("chunk", [7, 32])
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 def test_chunked_prefill_keeps_the_same_sets_as_one_prefill(engine_for, files, chunk, mode):
     engine = engine_for("llama")
     e, policy = EncodedInput(prompt_ids(100, seed=9)), kvzap_policies(files["llama"])[mode]
@@ -48,19 +49,19 @@ def test_chunked_prefill_keeps_the_same_sets_as_one_prefill(engine_for, files, c
     (chunked,) = engine.generate_batch([e], policy, GenerationOptions(max_new_tokens=NEW, tier=3), prefill_chunk=chunk)
     assert_same_trace(alone, chunked)
     assert (alone.arrays["evicted.step"] == 0).any() and (alone.arrays["evicted.step"] > 0).any()
-    assert ("kept_fraction" in alone.arrays) == (mode > 0)
+    assert ("kept_fraction" in alone.arrays) == (mode in (1, 2))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_kvzap_in_a_mixed_batch_equals_each_alone(engine_for, files, family):
     engine = engine_for(family)
     pols = [*kvzap_policies(files[family]), build_policy("tova", 18), build_policy("dense"), build_policy("h2o", 24)]
-    encoded = inputs([90, 40, 63, 71, 17, 50])
+    encoded = inputs([90, 40, 63, 71, 77, 17, 50])
     options = GenerationOptions(max_new_tokens=NEW, tier=3)
     batched = engine.generate_batch(encoded, pols, options, prefill_chunk=4096 if family == "gemma3" else 24)
     for e, p, b in zip(encoded, pols, batched):
         assert_same_trace(engine.generate(e, p, max_new_tokens=NEW, tier=3), b)
-    assert all(b.eviction_events for b in batched[:3])
+    assert all(b.eviction_events for b in batched[:4])
 
 
 def test_hidden_states_reach_only_a_policy_that_reads_them(engine_for, files):

@@ -78,11 +78,27 @@ def independent_scores(reference: torch.nn.Module, ids: list[int], s: Surrogate)
     return scores
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind):
+def shared_counts(scores: list[np.ndarray], sinks: int, budget: int) -> list[int]:
+    """Per layer the slots per head it keeps when the layers share ``budget x layers`` (``share=true``),
+    written independently: a layer's rank-j gain is the best j-th score of its heads (sinks first)."""
+    gains, owner = [], []
+    for layer, s in enumerate(scores):
+        s = s.copy()
+        s[:sinks] = np.inf
+        gain = (-np.sort(-s, axis=0)).max(axis=1)  # per rank, the best head's score at that rank
+        gain[0] = np.inf
+        gains.append(gain)
+        owner.append(np.full(gain.shape[0], layer))
+    order = np.argsort(-np.concatenate(gains), kind="stable")[: budget * len(scores)]
+    return np.bincount(np.concatenate(owner)[order], minlength=len(scores)).tolist()
+
+
+@pytest.mark.parametrize("kind,share", [("linear", True), ("mlp", True), ("linear", False)])
+def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind, share):
     engine, reference = tiny
     ids = prompt_ids(60, seed=3)
-    policy = build_policy("kvzap", 30, {"model": str(files[kind]), "surrogate": kind, "window": "4"})
+    policy = build_policy("kvzap", 30, {"model": str(files[kind]), "surrogate": kind, "window": "4",
+                                        "share": str(share).lower()})
     result = engine.generate(EncodedInput(ids), policy, max_new_tokens=12, tier=1)
     expected = independent_scores(reference, result.token_ids, read_surrogate(files[kind]))
     a = result.arrays
@@ -96,11 +112,14 @@ def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, fil
     decoded = comparable & (a["evicted.position"] >= 60)
     assert decoded.any(), "a token written while decoding was scored and evicted"
     prefill = a["evicted.step"] == 0
-    for layer in range(LAYERS):  # the prefill evicts each head's 30 lowest of the non-sink positions
+    counts = shared_counts([e[:60] for e in expected], 4, 30) if share else [30] * LAYERS
+    assert sum(counts) == 30 * LAYERS and (len(set(counts)) > 1) == share, counts
+    for layer in range(LAYERS):  # the prefill evicts each head's lowest of the non-sink positions down to its count
         for head in range(KV):
             sel = prefill & (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
-            order = 4 + np.argsort(expected[layer][4:60, head], kind="stable")
-            assert sorted(a["evicted.position"][sel].tolist()) == sorted(order[:30].tolist())
+            # lowest first; equal scores (a repeated token at layer 0): the later position goes first
+            order = 4 + np.lexsort((-np.arange(4, 60), expected[layer][4:60, head]))
+            assert sorted(a["evicted.position"][sel].tolist()) == sorted(order[: 60 - counts[layer]].tolist())
 
 
 def expected_threshold_kept(scores: np.ndarray, threshold: float, sinks: int, window: int,
@@ -155,6 +174,8 @@ def test_option_errors_name_the_field_and_value(files):
         build_policy("kvzap", None, {"model": path, "threshold": "low"})
     with pytest.raises(ConfigError, match="needs --budget N or --ratio R"):
         build_policy("kvzap", None, {"model": path})
+    with pytest.raises(ConfigError, match=r"kvzap.*share.*'maybe'"):
+        build_policy("kvzap", 16, {"model": path, "share": "maybe"})
     with pytest.raises(ConfigError, match="max_kept caps a threshold run"):
         build_policy("kvzap", 16, {"model": path, "max_kept": "8"})
     with pytest.raises(ConfigError, match="surrogate must be one of linear, mlp, got 'tree'"):
@@ -285,3 +306,4 @@ def test_shipped_files_find_a_pass_key_on_the_default_model(smollm_engine, polic
     result = smollm_engine.generate(encoded, build_policy(policy, encoded.compress_len // 2), max_new_tokens=14, tier=1)
     assert result.params["trained_for"] == "smollm2-135m" and result.evicted_positions > 0
     assert "4821" in result.text
+

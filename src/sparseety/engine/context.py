@@ -177,6 +177,7 @@ class RunContext:
     reconstruction: ReconstructionChunk | None = None  #: the reconstruction forward in progress, if any
     reconstruction_region: int = 0  #: positions ``0 .. region - 1`` the reconstruction scores
     _reconstruction_scores: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer ``[b, kv_heads, region]``
+    _shared_scores: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer ``[b, kv_heads, n]``, awaiting :meth:`_share_out`
     allocated_budgets: dict[int, int] = field(default_factory=dict)  #: per layer, budgets a reconstruction allocated
     _token_ids: torch.Tensor | None = None  #: ``[b, seen]`` ids fed so far, kept only for policies that need them
     failure: BaseException | None = None  #: this sequence failed inside a packed forward; it leaves the batch alone
@@ -304,6 +305,9 @@ class RunContext:
             self.prefill_s += elapsed  # kvzip's extra prefill cost
             return
         self.reconstruction_pending = self.reconstruction_pending or self.reconstruct_after
+        if self._shared_scores:  # a sharing policy's prefill: every layer is scored, now share and evict
+            scored, self._shared_scores = self._shared_scores, {}
+            self._share_out(scored, self.step)
         if self.prune is not None:
             self.prune.end()
         if self.recorded_layers is None:
@@ -458,6 +462,9 @@ class RunContext:
         carried = self._carried_hidden.pop(layer, None)
         seen.hidden = hidden if carried is None or hidden is None else torch.cat([carried, hidden], dim=1)
         scores = self._score(layer, cache_layer, key, seen, self.kv_heads)
+        if self.prompt_forward and self.policy.shares_budget and cache_layer.window is None:
+            self._shared_scores[layer] = scores  # evicted at the end of this forward (:meth:`_share_out`)
+            return
         budget = self.layer_budget(layer)
         keep = self.policy.keep_count(scores)  # a threshold policy's own count, under its cap
         if keep is not None:
@@ -579,6 +586,13 @@ class RunContext:
             obs = Observation(layer=layer, num_layers=self.num_layers, step=0, prefill=True, positions=positions,
                               keys=cache_layer.keys, attention=scores, state=None, seed=self.seed)
             scored[layer], cache_layer.state = self.policy.score(obs)
+        self._share_out(scored, 0)
+        self.reconstruction_pending = False
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+
+    def _share_out(self, scored: dict[int, torch.Tensor], step: int) -> None:
+        """Let the policy share the budget among the layers of ``scored`` (``[b, kv_heads, n]`` each) that
+        compress (:meth:`Policy.allocate`), then evict each layer to its share (events at ``step``)."""
         uniform = {layer: budget for layer in scored if (budget := self.layer_budget(layer)) is not None
                    and self.cache.layers[layer].window is None and scored[layer].shape[-1] > budget}
         allocated = self.policy.allocate({layer: scored[layer] for layer in uniform}, uniform)
@@ -590,9 +604,7 @@ class RunContext:
                 continue
             budget = self.layer_budget(layer)
             if budget is not None and scores.shape[-1] > budget:
-                self._evict(layer, hidden_first(scores, self.cache.layers[layer]), budget, 0)
-        self.reconstruction_pending = False
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+                self._evict(layer, hidden_first(scores, self.cache.layers[layer]), budget, step)
 
     def _split(self, layer: int, scores: torch.Tensor, counts: list[int]) -> None:
         """Store layer ``layer`` per KV head, head ``i`` keeping its ``counts[i]`` best slots by ``scores``

@@ -175,6 +175,13 @@ class Policy:
         return dict(budgets)
 
     @property
+    def shares_budget(self) -> bool:
+        """True when the prefill that completes a region scores every layer first and then shares the budgets
+        out among them with :meth:`allocate` before evicting (``kvzap``); False (the default): each layer
+        evicts as soon as it is scored."""
+        return False
+
+    @property
     def splits_heads(self) -> bool:
         """True when :meth:`allocate` gives each KV head its own count (the layer is stored per head)."""
         return False
@@ -193,6 +200,20 @@ class Policy:
         state : ``[b, kv_heads, n]`` accumulator to hand back next step, or None.
         """
         raise NotImplementedError
+
+
+def share_layers(gains: list[torch.Tensor], total: int) -> list[int]:
+    """Slots per layer when the layers share ``total`` by gain: ``gains[l]`` ``[n_l]`` (non-increasing) is what
+    layer ``l``'s ``j+1``-th slot adds; the ``total`` largest gains win (ties: the lower layer, then slot) and
+    every layer keeps at least one slot."""
+    flat, owner = [], []
+    for layer, gain in enumerate(gains):
+        gain = gain.float().cpu().clone()
+        gain[0] = float("inf")
+        flat.append(gain)
+        owner.append(torch.full((gain.numel(),), layer))
+    won = torch.cat(owner)[torch.sort(torch.cat(flat), descending=True, stable=True).indices[:total]]
+    return torch.bincount(won, minlength=len(gains)).tolist()
 
 
 def recent_mask(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import ModelInfo, Observation, Policy, Signal, check_positive_int, protect, recent_mask
+from sparseety.policies.base import (ModelInfo, Observation, Policy, Signal, check_positive_int, protect, recent_mask,
+                                     share_layers)
 from sparseety.policies.kvzap_model import SURROGATES, TRAIN_HINT, Surrogate, load_surrogate
 from sparseety.policies.learned_model import check_trained_for, shipped_file
 
@@ -26,6 +27,16 @@ class KVzapPolicy(Policy):
     Every slot keeps the score its token got when it was written (the policy's per-slot state, compacted
     with the cache). The first ``sinks`` positions are always kept; the newest ``window`` positions are
     kept while decoding, and in threshold mode at prefill too (DMS-style).
+
+    Budget mode (``--budget``/``--ratio``): every layer keeps the budget; with ``share=true`` the layers share their summed
+    budget, as one threshold over all of them would: at the prefill that completes the prompt (or the
+    long-document context) every layer is scored first, then the cut falls where threshold mode would
+    place it so that the kept slots add up to the budgets' sum. A layer's count is the most slots any of
+    its heads keeps (the layer's rank-``j`` score is its heads' best ``j``-th score); from then on each
+    layer keeps its own count. KVzip+ scores are normalised (attention x ``||W_O v||`` / ``||x||``), so
+    one cut across layers is meaningful, as in KVzap's DMS thresholding. Off by default: it finds
+    RULER's needles that uniform budgets lose, but the counts can be very uneven (one layer 9 slots,
+    another all 389) and a short repetitive pass-key prompt then loses its key (docs/policies.md).
 
     Threshold mode (``threshold=T``, no budget): after each step every KV head of a layer keeps the same
     count, the most slots any of its heads scores at ``T`` or above (protected slots included), so a
@@ -52,6 +63,7 @@ class KVzapPolicy(Policy):
     max_kept: int = 0
     sinks: int = 4
     window: int = 32
+    share: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,6 +82,8 @@ class KVzapPolicy(Policy):
         check_positive_int(self.name, "max_kept", self.max_kept, minimum=0)
         check_positive_int(self.name, "sinks", self.sinks, minimum=0)
         check_positive_int(self.name, "window", self.window, minimum=0)
+        if not isinstance(self.share, bool):
+            raise ConfigError(f"kvzap: share must be true or false, got {self.share!r}")
         if self.threshold is not None and self.budget is not None:
             raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
                               "threshold run with max_kept=N")
@@ -85,7 +99,8 @@ class KVzapPolicy(Policy):
 
     def params(self) -> dict[str, object]:
         out: dict[str, object] = {"model": self.model, "surrogate": self.surrogate, "threshold": self.threshold,
-                                  "max_kept": self.max_kept, "sinks": self.sinks, "window": self.window}
+                                  "max_kept": self.max_kept, "sinks": self.sinks, "window": self.window,
+                                  "share": self.share}
         if self._surrogate is not None:
             out["surrogate_file"] = self._source
             out["trained_for"] = self._surrogate.model
@@ -117,6 +132,20 @@ class KVzapPolicy(Policy):
             raise ConfigError(f"kvzap: no surrogate loaded (the policy is bound to a model first); pass --policy-opt "
                               f"model=FILE (written by `{TRAIN_HINT}`)")
         return self._surrogate
+
+    @property
+    def shares_budget(self) -> bool:
+        return self.share and self.threshold is None
+
+    def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int | list[int]]:
+        """Per layer one count (see the class docstring): the budgets' sum shared by the layers' rank scores
+        (``[L]`` of ``[n]``: per rank, the best of the heads' scores at that rank)."""
+        if not self.shares_budget or len(scores) < 2:
+            return dict(budgets)
+        layers = sorted(scores)
+        gains = [scores[layer].float().sort(dim=-1, descending=True).values.amax(dim=(0, 1)) for layer in layers]
+        shares = share_layers(gains, sum(budgets[layer] for layer in layers))
+        return {layer: int(shares[i]) for i, layer in enumerate(layers)}
 
     def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         return self.budget if self.threshold is None else (self.max_kept or None)

@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import Observation, Policy, Signal, check_positive_int, protect, recent_mask
+from sparseety.policies.base import (Observation, Policy, Signal, check_positive_int, protect, recent_mask,
+                                     share_layers)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -157,14 +158,9 @@ class KVzipPolicy(Policy):
         if self.layerwise or len(scores) < 2:
             return dict(budgets)
         layers = sorted(scores)
-        n = scores[layers[0]].shape[-1]
-        # gain[l, j]: what layer l's (j+1)-th slot per head adds, its heads' (j+1)-th best scores summed
-        gain = torch.stack([scores[layer].float().sort(dim=-1, descending=True).values.sum(dim=(0, 1))
-                            for layer in layers])  # [L, n], non-increasing along j
-        gain[:, 0] = float("inf")  # every layer keeps at least one slot per head
-        total = sum(budgets[layer] for layer in layers)
-        won = torch.topk(gain.reshape(-1), total, sorted=False).indices // n
-        shares = torch.bincount(won, minlength=len(layers)).tolist()
+        # what layer l's (j+1)-th slot per head adds: its heads' (j+1)-th best scores summed
+        gains = [scores[layer].float().sort(dim=-1, descending=True).values.sum(dim=(0, 1)) for layer in layers]
+        shares = share_layers(gains, sum(budgets[layer] for layer in layers))
         return {layer: int(shares[i]) for i, layer in enumerate(layers)}
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
