@@ -23,9 +23,13 @@ fraction of the expected items found). Pairs, each with its library's default op
 
     streaming/StreamingLLMPress, snapkv/SnapKVPress, knorm/KnormPress, tova/TOVAPress,
     h2o/ObservedAttentionPress, keydiff/KeyDiffPress, expected_attention/ExpectedAttentionPress,
-    compactor/CompactorPress, kvzip/KVzipPress
+    compactor/CompactorPress, kvzip/KVzipPress, kvzap/KVzapPress
 
-and ``pyramid`` and ``learned`` on SparSEEty's side only (``learned`` with
+``kvzap`` beside ``KVzapPress`` with the linear surrogate ``benchmarks/kvpress_kvzap_train.py`` trained with
+kvpress's own ``kvzap/train.py`` code on SparSEEty's training texts; ``kvzap_dms`` (``kvzap threshold=T``) beside
+``DMSPress(KVzapPress, threshold=T)``, each side's ``T`` the quantile of its predicted scores at the run's
+ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true``) on SparSEEty's side only. ``pyramid``
+and ``learned`` on SparSEEty's side only (``learned`` with
 ``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
 trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
 context (one chat-template "Repeat the previous context exactly." pass per 2,048 context tokens) and then
@@ -54,17 +58,23 @@ RESULTS = ROOT / "results" / "kvpress_compare.json"
 LEARNED_FILE = ROOT / "results" / "learned_policy" / "policy.safetensors"
 PAIRS = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress", "tova": "TOVAPress",
          "h2o": "ObservedAttentionPress", "keydiff": "KeyDiffPress", "expected_attention": "ExpectedAttentionPress",
-         "compactor": "CompactorPress", "kvzip": "KVzipPress"}
+         "compactor": "CompactorPress", "kvzip": "KVzipPress", "kvzap": "KVzapPress"}
 OURS_ONLY = ("pyramid", "learned")
+#: kvpress's KVzap surrogate, trained here by ``benchmarks/kvpress_kvzap_train.py`` (its hub weights are out of
+#: reach); that script's summary also holds both sides' DMS thresholds per ratio.
+KVZAP_DIR = ROOT / "results" / "kvzap" / "kvpress_model"
 #: Named variants of a policy with other options, run and reported under their own name beside its press.
 VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
             "h2o_va": ("h2o", {"value_aware": True}), "tova_va": ("tova", {"value_aware": True}),
-            "snapkv_va": ("snapkv", {"value_aware": True})}
+            "snapkv_va": ("snapkv", {"value_aware": True}),
+            # threshold mode (DMS): the ratio picks each side's calibrated threshold (see KVZAP_DIR)
+            "kvzap_dms": ("kvzap", {"threshold": "calibrated"}),
+            "kvzap_share": ("kvzap", {"share": True})}
 #: Variants with a press of their own (else a variant sits beside its base policy's press): the value-aware
 #: options beside kvpress's CriticalKVPress around the same press (CriticalKV, arXiv 2502.03805, weighs by
 #: ‖W_O v‖₁ in two stages; VATP, which ``value_aware`` follows, by ‖v‖₁; kvpress has no VATP press).
 VARIANT_PRESSES = {"h2o_va": "CriticalKVPress(ObservedAttentionPress)", "tova_va": "CriticalKVPress(TOVAPress)",
-                   "snapkv_va": "CriticalKVPress(SnapKVPress)"}
+                   "snapkv_va": "CriticalKVPress(SnapKVPress)", "kvzap_dms": "DMSPress(KVzapPress)"}
 PAIRS.update({variant: VARIANT_PRESSES.get(variant, PAIRS[base]) for variant, (base, _) in VARIANTS.items()})
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 #: query-agnostic methods: they score the context without the question (all here are, under this protocol,
@@ -118,11 +128,13 @@ def worker(model_dir: str, threads: int) -> None:
                 generated.append(out.logits[0, -1].argmax())
         seconds = time.perf_counter() - start
         held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        masked = getattr(press, "compression_ratios", None)  # DMSPress: the pairs it masked, per layer
+        kept = None if not masked else round(1 - sum(masked.values()) / len(masked), 4)
         for layer in getattr(model.model, "layers", []):  # KVzipPress leaves its mask on the modules
             if hasattr(layer.self_attn, "masked_key_indices"):
                 layer.self_attn.masked_key_indices = None
         text = tokenizer.decode(torch.stack(generated), skip_special_tokens=True)
-        return {"answer": text, "seconds": seconds, "kv_bytes": held}
+        return {"answer": text, "seconds": seconds, "kv_bytes": held, "kept_fraction": kept}
 
     print(json.dumps({"ready": True, "kvpress_version": _version("kvpress"),
                       "transformers_version": _version("transformers"), "torch_version": _version("torch")}),
@@ -130,8 +142,8 @@ def worker(model_dir: str, threads: int) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         name = job["press"]
-        press = None if name is None else make_press(kvpress, name, job["ratio"])
         model = model_for(name)
+        press = None if name is None else make_press(kvpress, name, job["ratio"], model)
         rows = []
         for case in job["cases"]:
             rows.append(answer(model, press, case["context_ids"], case["question_ids"], case["max_new_tokens"]))
@@ -140,12 +152,36 @@ def worker(model_dir: str, threads: int) -> None:
         print(json.dumps({"rows": rows}), flush=True)
 
 
-def make_press(kvpress, name: str, ratio: float):
-    """``Press`` or ``Wrapper(Press)`` (a wrapper takes the inner press, which holds the ratio)."""
+def make_press(kvpress, name: str, ratio: float, model):
+    """``Press`` or ``Wrapper(Press)`` (a wrapper takes the inner press, which holds the ratio). ``KVzapPress``
+    gets the surrogate trained here; ``DMSPress`` takes no ratio but the threshold calibrated for it."""
     if name.endswith(")") and "(" in name:
         outer, inner = name[:-1].split("(", 1)
-        return getattr(kvpress, outer)(getattr(kvpress, inner)(compression_ratio=ratio))
-    return getattr(kvpress, name)(compression_ratio=ratio)
+        if outer == "DMSPress":
+            return kvpress.DMSPress(make_press(kvpress, inner, 0.0, model), threshold=kvzap_threshold("kvpress", ratio))
+        return getattr(kvpress, outer)(make_press(kvpress, inner, ratio, model))
+    press = getattr(kvpress, name)(compression_ratio=ratio)
+    if name == "KVzapPress":
+        # KVzapPress loads nvidia/KVzap-<type>-<model folder> from the hub unless that name is already loaded
+        from kvpress.presses.kvzap_press import KVzapModel
+
+        press.model_type = "linear"
+        press.kvzap_model_name = f"nvidia/KVzap-linear-{str(model.config.name_or_path).split('/')[-1]}"
+        press.kvzap_model = KVzapModel.from_pretrained(str(KVZAP_DIR / "linear"))
+    return press
+
+
+def kvzap_threshold(side: str, ratio: float) -> float:
+    """The DMS threshold of ``side`` (``sparseety`` or ``kvpress``) that, over the held-out training texts,
+    puts a fraction ``ratio`` of the (token, layer, KV head) scores below it."""
+    summary = KVZAP_DIR / "summary.json"
+    if not summary.is_file():
+        raise SystemExit(f"error: {summary} is missing: run benchmarks/kvpress_kvzap_train.py first")
+    figures = json.loads(summary.read_text())[side]
+    thresholds = (figures["surrogates"]["linear"] if side == "kvpress" else figures)["thresholds"]
+    if str(ratio) not in thresholds:
+        raise SystemExit(f"error: no {side} threshold calibrated for ratio {ratio} (have {', '.join(thresholds)})")
+    return float(thresholds[str(ratio)])
 
 
 class _nullcontext:
@@ -250,10 +286,13 @@ def score_case(case: dict, answer: str) -> float:
     return score(case["expected"], answer)
 
 
-def row_of(case: dict, policy: str, ratio: float, answer: str, seconds: float, kv_bytes: int) -> dict:
+def row_of(case: dict, policy: str, ratio: float, answer: str, seconds: float, kv_bytes: int,
+           kept_fraction: float | None = None) -> dict:
+    """One answer's row; ``kept_fraction``: the share of KV pairs a masking press left unmasked, when it says."""
     keys = {k: case[k] for k in ("task", "length", "depth", "index", "seed") if k in case}
-    return {"policy": policy, "ratio": ratio, **keys, "answer": answer, "score": score_case(case, answer),
-            "seconds": round(seconds, 3), "kv_bytes": int(kv_bytes)}
+    row = {"policy": policy, "ratio": ratio, **keys, "answer": answer, "score": score_case(case, answer),
+           "seconds": round(seconds, 3), "kv_bytes": int(kv_bytes)}
+    return row if kept_fraction is None else row | {"kept_fraction": kept_fraction}
 
 
 def sparseety_side(engine, cases, name, ratio, options, threads):
@@ -269,7 +308,10 @@ def sparseety_side(engine, cases, name, ratio, options, threads):
         ids = torch.tensor([case["context_ids"] + case["question_ids"]], dtype=torch.long)
         encoded = EncodedInput(ids, compress_len=len(case["context_ids"]))
         policy, variant_options = VARIANTS.get(name, (name, {}))
-        got = answer_document(engine, encoded, policy, ratio, options={**variant_options, **(options or {})},
+        chosen, budget_ratio = {**variant_options, **(options or {})}, ratio
+        if chosen.get("threshold") == "calibrated":  # threshold mode: no budget
+            chosen["threshold"], budget_ratio = kvzap_threshold("sparseety", ratio), None
+        got = answer_document(engine, encoded, policy, budget_ratio, options=chosen,
                               max_new_tokens=case["max_new_tokens"])
         rows.append(row_of(case, name, ratio, got.text, got.seconds, got.kv_cache_bytes_peak))
         print(f"sparseety {name} ratio={ratio} {case['label']}: {rows[-1]['score']:.0%} {got.text.strip()[:40]!r}",
@@ -304,6 +346,10 @@ def tables(ours: list[dict], theirs: list[dict]) -> list[dict]:
             acc_b, sec_b, kv_b, _ = b[press_key]
             row.update({"accuracy_kvpress": round(acc_b, 4), "seconds_per_case_kvpress": round(sec_b, 3),
                         "kv_bytes_kvpress": int(kv_b), "kv_fraction_of_dense_kvpress": round(kv_b / dense_b, 4) if dense_b else None})
+            kept = [r["kept_fraction"] for r in theirs if "kept_fraction" in r
+                    and (r["task"], r["policy"], r["ratio"]) == press_key]
+            if kept:  # a masking press (DMSPress) holds dense KV: the share it left unmasked
+                row["kept_fraction_kvpress"] = round(sum(kept) / len(kept), 4)
         table.append(row)
     return table
 
@@ -378,7 +424,7 @@ def markdown(document: dict) -> str:
                 out.append(f"| {name} | " + " | ".join(pair(r, "accuracy", pct, n) for r in rows) + " |")
         out.append("")
     out += ["**KV held at the end of the answer, as a fraction of dense** (mean over the tasks run; "
-            "SparSEEty / kvpress)", "",
+            "SparSEEty / kvpress; for kvpress's DMSPress, which masks and holds dense KV, the unmasked share)", "",
             "| policy | " + " | ".join(f"ratio {x}" for x in [0.0, *ratios]) + " |", "|---|" + "---|" * (len(ratios) + 1)]
     for p in policies:
         rows = []
@@ -389,7 +435,7 @@ def markdown(document: dict) -> str:
                 rows.append("-")
                 continue
             ours = sum(r["kv_fraction_of_dense_sparseety"] for r in group) / len(group)
-            theirs = [r["kv_fraction_of_dense_kvpress"] for r in group
+            theirs = [r.get("kept_fraction_kvpress", r.get("kv_fraction_of_dense_kvpress")) for r in group
                       if r.get("kv_fraction_of_dense_kvpress") is not None]
             rows.append(f"{ours:.3f}" + (f" / {sum(theirs) / len(theirs):.3f}" if theirs else ""))
         out.append(f"| {p} | " + " | ".join(rows) + " |")
@@ -531,7 +577,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 got = kvpress_worker().run(press, ratio, wire)
                 theirs_s += time.perf_counter() - t0
-                theirs += [row_of(c, name, ratio, g["answer"], g["seconds"], g["kv_bytes"]) for c, g in zip(cases, got)]
+                theirs += [row_of(c, name, ratio, g["answer"], g["seconds"], g["kv_bytes"], g.get("kept_fraction"))
+                           for c, g in zip(cases, got)]
             save(complete=False)
     finally:
         if kvp is not None:

@@ -33,13 +33,14 @@ class Answer:
     seconds: float
 
 
-def answer_document(engine: SparseEngine, encoded: EncodedInput, policy_name: str, ratio: float, *,
+def answer_document(engine: SparseEngine, encoded: EncodedInput, policy_name: str, ratio: float | None, *,
                     options: dict[str, Any] | None = None, max_new_tokens: int = 16, seed: int = 0,
                     engine_options: dict[str, Any] | None = None) -> Answer:
     """Generate the answer to ``encoded`` (context ids, then question ids at ``encoded.compress_len``) with
     the context compressed by ``policy_name`` at ``ratio``.
 
     The budget is ``(1 - ratio)`` of the context's tokens (:func:`sparseety.policies.resolve_budget`);
+    ``ratio=None`` gives no budget (a threshold policy such as ``kvzap threshold=T``);
     ``dense`` keeps everything and ignores ``engine_options`` (``prune``, ``attention_topk``), which apply
     beside every other policy.
     """
