@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -210,9 +211,8 @@ def main() -> None:
     contexts = contexts[: args.requests] if args.requests else contexts
     train, held = split_requests(contexts, KVzapConfig().holdout, KVzapConfig().seed)  # type: ignore[arg-type]
     args.out.mkdir(parents=True, exist_ok=True)
-    for stale in ("linear", "mlp"):
-        for f in (args.out / stale).glob("*") if (args.out / stale).is_dir() else []:
-            f.unlink()
+    for stale in ("linear", "mlp"):  # save_pretrained refuses nothing; an old model must not survive a failed run
+        shutil.rmtree(args.out / stale, ignore_errors=True)
     texts = args.out / "texts.jsonl"
     texts.write_text("".join(json.dumps({"request_id": c.request_id, "split": "test" if i in held else "train",
                                          "text": user_text(tokenizer, c.token_ids)}) + "\n"

@@ -306,4 +306,3 @@ def test_shipped_files_find_a_pass_key_on_the_default_model(smollm_engine, polic
     result = smollm_engine.generate(encoded, build_policy(policy, encoded.compress_len // 2), max_new_tokens=14, tier=1)
     assert result.params["trained_for"] == "smollm2-135m" and result.evicted_positions > 0
     assert "4821" in result.text
-

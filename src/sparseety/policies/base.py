@@ -202,18 +202,25 @@ class Policy:
         raise NotImplementedError
 
 
-def share_layers(gains: list[torch.Tensor], total: int) -> list[int]:
-    """Slots per layer when the layers share ``total`` by gain: ``gains[l]`` ``[n_l]`` (non-increasing) is what
-    layer ``l``'s ``j+1``-th slot adds; the ``total`` largest gains win (ties: the lower layer, then slot) and
-    every layer keeps at least one slot."""
+def share_layers(scores: dict[int, torch.Tensor], budgets: dict[int, int],
+                 per_rank: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, int]:
+    """Slots per layer when the layers of ``scores`` (``[b, kv_heads, n]`` each) share the sum of ``budgets``.
+
+    Layer ``l``'s ``j+1``-th slot gains ``per_rank`` of its heads' ``j+1``-th best scores (``per_rank`` maps the
+    sorted ``[b, kv_heads, n]`` to ``[n]``, e.g. their sum or max); the largest gains win (ties: the lower
+    layer, then slot) and every layer keeps at least one slot.
+    """
+    layers = sorted(scores)
     flat, owner = [], []
-    for layer, gain in enumerate(gains):
-        gain = gain.float().cpu().clone()
+    for i, layer in enumerate(layers):
+        gain = per_rank(scores[layer].float().sort(dim=-1, descending=True).values).cpu().clone()
         gain[0] = float("inf")
         flat.append(gain)
-        owner.append(torch.full((gain.numel(),), layer))
+        owner.append(torch.full((gain.numel(),), i))
+    total = sum(budgets[layer] for layer in layers)
     won = torch.cat(owner)[torch.sort(torch.cat(flat), descending=True, stable=True).indices[:total]]
-    return torch.bincount(won, minlength=len(gains)).tolist()
+    shares = torch.bincount(won, minlength=len(layers)).tolist()
+    return {layer: int(shares[i]) for i, layer in enumerate(layers)}
 
 
 def recent_mask(positions: torch.Tensor, window: int) -> torch.Tensor:

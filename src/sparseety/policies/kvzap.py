@@ -28,8 +28,8 @@ class KVzapPolicy(Policy):
     with the cache). The first ``sinks`` positions are always kept; the newest ``window`` positions are
     kept while decoding, and in threshold mode at prefill too (DMS-style).
 
-    Budget mode (``--budget``/``--ratio``): every layer keeps the budget; with ``share=true`` the layers share their summed
-    budget, as one threshold over all of them would: at the prefill that completes the prompt (or the
+    Budget mode (``--budget``/``--ratio``): every layer keeps the budget; with ``share=true`` the layers
+    share their summed budget, as one threshold over all of them would: at the prefill that completes the prompt (or the
     long-document context) every layer is scored first, then the cut falls where threshold mode would
     place it so that the kept slots add up to the budgets' sum. A layer's count is the most slots any of
     its heads keeps (the layer's rank-``j`` score is its heads' best ``j``-th score); from then on each
@@ -140,12 +140,9 @@ class KVzapPolicy(Policy):
     def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int | list[int]]:
         """Per layer one count (see the class docstring): the budgets' sum shared by the layers' rank scores
         (``[L]`` of ``[n]``: per rank, the best of the heads' scores at that rank)."""
-        if not self.shares_budget or len(scores) < 2:
+        if len(scores) < 2:
             return dict(budgets)
-        layers = sorted(scores)
-        gains = [scores[layer].float().sort(dim=-1, descending=True).values.amax(dim=(0, 1)) for layer in layers]
-        shares = share_layers(gains, sum(budgets[layer] for layer in layers))
-        return {layer: int(shares[i]) for i, layer in enumerate(layers)}
+        return dict(share_layers(scores, budgets, lambda ranked: ranked.amax(dim=(0, 1))))
 
     def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         return self.budget if self.threshold is None else (self.max_kept or None)

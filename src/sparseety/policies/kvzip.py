@@ -157,11 +157,8 @@ class KVzipPolicy(Policy):
             return {layer: counts for group in groups for layer, counts in head_counts(scores, budgets, group).items()}
         if self.layerwise or len(scores) < 2:
             return dict(budgets)
-        layers = sorted(scores)
-        # what layer l's (j+1)-th slot per head adds: its heads' (j+1)-th best scores summed
-        gains = [scores[layer].float().sort(dim=-1, descending=True).values.sum(dim=(0, 1)) for layer in layers]
-        shares = share_layers(gains, sum(budgets[layer] for layer in layers))
-        return {layer: int(shares[i]) for i, layer in enumerate(layers)}
+        # what a layer's (j+1)-th slot per head adds: its heads' (j+1)-th best scores summed
+        return dict(share_layers(scores, budgets, lambda ranked: ranked.sum(dim=(0, 1))))
 
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert obs.attention is not None
