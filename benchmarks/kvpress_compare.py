@@ -28,7 +28,8 @@ fraction of the expected items found). Pairs, each with its library's default op
 ``kvzap`` beside ``KVzapPress`` with the linear surrogate ``benchmarks/kvpress_kvzap_train.py`` trained with
 kvpress's own ``kvzap/train.py`` code on SparSEEty's training texts; ``kvzap_dms`` (``kvzap threshold=T``) beside
 ``DMSPress(KVzapPress, threshold=T)``, each side's ``T`` the quantile of its predicted scores at the run's
-ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true``) on SparSEEty's side only. ``pyramid``
+ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true``) and ``kvzap_floor25``/``50``/``75``
+(``share=true floor=0.25``...) on SparSEEty's side only. ``pyramid``
 and ``learned`` on SparSEEty's side only (``learned`` with
 ``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
 trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
@@ -69,7 +70,8 @@ VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
             "snapkv_va": ("snapkv", {"value_aware": True}),
             # threshold mode (DMS): the ratio picks each side's calibrated threshold (see KVZAP_DIR)
             "kvzap_dms": ("kvzap", {"threshold": "calibrated"}),
-            "kvzap_share": ("kvzap", {"share": True})}
+            "kvzap_share": ("kvzap", {"share": True}),
+            **{f"kvzap_floor{int(f * 100)}": ("kvzap", {"share": True, "floor": f}) for f in (0.25, 0.5, 0.75)}}
 #: Variants with a press of their own (else a variant sits beside its base policy's press): the value-aware
 #: options beside kvpress's CriticalKVPress around the same press (CriticalKV, arXiv 2502.03805, weighs by
 #: ‖W_O v‖₁ in two stages; VATP, which ``value_aware`` follows, by ‖v‖₁; kvpress has no VATP press).

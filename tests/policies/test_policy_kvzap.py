@@ -78,27 +78,29 @@ def independent_scores(reference: torch.nn.Module, ids: list[int], s: Surrogate)
     return scores
 
 
-def shared_counts(scores: list[np.ndarray], sinks: int, budget: int) -> list[int]:
+def shared_counts(scores: list[np.ndarray], sinks: int, budget: int, floor: float = 0.0) -> list[int]:
     """Per layer the slots per head it keeps when the layers share ``budget x layers`` (``share=true``),
-    written independently: a layer's rank-j gain is the best j-th score of its heads (sinks first)."""
+    written independently: a layer's rank-j gain is the best j-th score of its heads (sinks first); the
+    first ``ceil(floor x budget)`` ranks (at least one) are every layer's own."""
     gains, owner = [], []
     for layer, s in enumerate(scores):
         s = s.copy()
         s[:sinks] = np.inf
         gain = (-np.sort(-s, axis=0)).max(axis=1)  # per rank, the best head's score at that rank
-        gain[0] = np.inf
+        gain[: max(1, math.ceil(floor * budget))] = np.inf
         gains.append(gain)
         owner.append(np.full(gain.shape[0], layer))
     order = np.argsort(-np.concatenate(gains), kind="stable")[: budget * len(scores)]
     return np.bincount(np.concatenate(owner)[order], minlength=len(scores)).tolist()
 
 
-@pytest.mark.parametrize("kind,share", [("linear", True), ("mlp", True), ("linear", False)])
-def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind, share):
+@pytest.mark.parametrize("kind,share,floor", [("linear", True, 0.0), ("mlp", True, 0.0), ("linear", False, 0.0),
+                                              ("linear", True, 0.8)])
+def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind, share, floor):
     engine, reference = tiny
     ids = prompt_ids(60, seed=3)
     policy = build_policy("kvzap", 30, {"model": str(files[kind]), "surrogate": kind, "window": "4",
-                                        "share": str(share).lower()})
+                                        "share": str(share).lower(), "floor": str(floor)})
     result = engine.generate(EncodedInput(ids), policy, max_new_tokens=12, tier=1)
     expected = independent_scores(reference, result.token_ids, read_surrogate(files[kind]))
     a = result.arrays
@@ -112,8 +114,8 @@ def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, fil
     decoded = comparable & (a["evicted.position"] >= 60)
     assert decoded.any(), "a token written while decoding was scored and evicted"
     prefill = a["evicted.step"] == 0
-    counts = shared_counts([e[:60] for e in expected], 4, 30) if share else [30] * LAYERS
-    assert sum(counts) == 30 * LAYERS and (len(set(counts)) > 1) == share, counts
+    counts = shared_counts([e[:60] for e in expected], 4, 30, floor) if share else [30] * LAYERS
+    assert sum(counts) == 30 * LAYERS and (len(set(counts)) > 1) == share and min(counts) >= floor * 30, counts
     for layer in range(LAYERS):  # the prefill evicts each head's lowest of the non-sink positions down to its count
         for head in range(KV):
             sel = prefill & (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
@@ -176,6 +178,9 @@ def test_option_errors_name_the_field_and_value(files):
         build_policy("kvzap", None, {"model": path})
     with pytest.raises(ConfigError, match=r"kvzap.*share.*'maybe'"):
         build_policy("kvzap", 16, {"model": path, "share": "maybe"})
+    for bad in ("1.5", "half"):
+        with pytest.raises(ConfigError, match=rf"kvzap.*floor.*\b'?{bad}'?"):
+            build_policy("kvzap", 16, {"model": path, "share": "true", "floor": bad})
     with pytest.raises(ConfigError, match="max_kept caps a threshold run"):
         build_policy("kvzap", 16, {"model": path, "max_kept": "8"})
     with pytest.raises(ConfigError, match="surrogate must be one of linear, mlp, got 'tree'"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -203,18 +204,18 @@ class Policy:
 
 
 def share_layers(scores: dict[int, torch.Tensor], budgets: dict[int, int],
-                 per_rank: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, int]:
+                 per_rank: Callable[[torch.Tensor], torch.Tensor], floor: float = 0.0) -> dict[int, int]:
     """Slots per layer when the layers of ``scores`` (``[b, kv_heads, n]`` each) share the sum of ``budgets``.
 
     Layer ``l``'s ``j+1``-th slot gains ``per_rank`` of its heads' ``j+1``-th best scores (``per_rank`` maps the
     sorted ``[b, kv_heads, n]`` to ``[n]``, e.g. their sum or max); the largest gains win (ties: the lower
-    layer, then slot) and every layer keeps at least one slot.
+    layer, then slot). Every layer keeps at least one slot, and at least ``ceil(floor * budget)`` of them.
     """
     layers = sorted(scores)
     flat, owner = [], []
     for i, layer in enumerate(layers):
         gain = per_rank(scores[layer].float().sort(dim=-1, descending=True).values).cpu().clone()
-        gain[0] = float("inf")
+        gain[: max(1, math.ceil(floor * budgets[layer]))] = float("inf")
         flat.append(gain)
         owner.append(torch.full((gain.numel(),), i))
     total = sum(budgets[layer] for layer in layers)

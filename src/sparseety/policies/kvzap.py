@@ -64,6 +64,7 @@ class KVzapPolicy(Policy):
     sinks: int = 4
     window: int = 32
     share: bool = False
+    floor: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +85,14 @@ class KVzapPolicy(Policy):
         check_positive_int(self.name, "window", self.window, minimum=0)
         if not isinstance(self.share, bool):
             raise ConfigError(f"kvzap: share must be true or false, got {self.share!r}")
+        given = self.floor
+        try:
+            self.floor = float(given)
+        except (TypeError, ValueError):
+            self.floor = float("nan")
+        if isinstance(given, bool) or not 0.0 <= self.floor <= 1.0:
+            raise ConfigError(f"kvzap: floor must be a number from 0 to 1 (the share of its budget every layer "
+                              f"keeps under share=true), got {given!r}")
         if self.threshold is not None and self.budget is not None:
             raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
                               "threshold run with max_kept=N")
@@ -100,7 +109,7 @@ class KVzapPolicy(Policy):
     def params(self) -> dict[str, object]:
         out: dict[str, object] = {"model": self.model, "surrogate": self.surrogate, "threshold": self.threshold,
                                   "max_kept": self.max_kept, "sinks": self.sinks, "window": self.window,
-                                  "share": self.share}
+                                  "share": self.share, "floor": self.floor}
         if self._surrogate is not None:
             out["surrogate_file"] = self._source
             out["trained_for"] = self._surrogate.model
@@ -142,7 +151,7 @@ class KVzapPolicy(Policy):
         (``[L]`` of ``[n]``: per rank, the best of the heads' scores at that rank)."""
         if len(scores) < 2:
             return dict(budgets)
-        return dict(share_layers(scores, budgets, lambda ranked: ranked.amax(dim=(0, 1))))
+        return dict(share_layers(scores, budgets, lambda ranked: ranked.amax(dim=(0, 1)), self.floor))
 
     def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         return self.budget if self.threshold is None else (self.max_kept or None)
