@@ -29,7 +29,8 @@ fraction of the expected items found). Pairs, each with its library's default op
 kvpress's own ``kvzap/train.py`` code on SparSEEty's training texts; ``kvzap_dms`` (``kvzap threshold=T``) beside
 ``DMSPress(KVzapPress, threshold=T)``, each side's ``T`` the quantile of its predicted scores at the run's
 ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true``) and ``kvzap_floor25``/``50``/``75``
-(``share=true floor=0.25``...) on SparSEEty's side only. ``pyramid``
+(``share=true floor=0.25``...) on SparSEEty's side only; ``kvzap_eq`` is threshold mode at the threshold that holds
+the same memory as the ratio on the training texts (``layer_thresholds``), beside ``DMSPress(KVzapPress)``. ``pyramid``
 and ``learned`` on SparSEEty's side only (``learned`` with
 ``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
 trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
@@ -61,6 +62,8 @@ PAIRS = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "Kn
          "h2o": "ObservedAttentionPress", "keydiff": "KeyDiffPress", "expected_attention": "ExpectedAttentionPress",
          "compactor": "CompactorPress", "kvzip": "KVzipPress", "kvzap": "KVzapPress"}
 OURS_ONLY = ("pyramid", "learned")
+#: ``threshold=`` placeholders of the kvzap variants: which calibration of ``summary.json`` they take
+CALIBRATED = {"calibrated": "thresholds", "calibrated_layers": "layer_thresholds"}
 #: kvpress's KVzap surrogate, trained here by ``benchmarks/kvpress_kvzap_train.py`` (its hub weights are out of
 #: reach); that script's summary also holds both sides' DMS thresholds per ratio.
 KVZAP_DIR = ROOT / "results" / "kvzap" / "kvpress_model"
@@ -71,12 +74,14 @@ VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
             # threshold mode (DMS): the ratio picks each side's calibrated threshold (see KVZAP_DIR)
             "kvzap_dms": ("kvzap", {"threshold": "calibrated"}),
             "kvzap_share": ("kvzap", {"share": True}),
+            "kvzap_eq": ("kvzap", {"threshold": "calibrated_layers"}),
             **{f"kvzap_floor{int(f * 100)}": ("kvzap", {"share": True, "floor": f}) for f in (0.25, 0.5, 0.75)}}
 #: Variants with a press of their own (else a variant sits beside its base policy's press): the value-aware
 #: options beside kvpress's CriticalKVPress around the same press (CriticalKV, arXiv 2502.03805, weighs by
 #: ‖W_O v‖₁ in two stages; VATP, which ``value_aware`` follows, by ‖v‖₁; kvpress has no VATP press).
 VARIANT_PRESSES = {"h2o_va": "CriticalKVPress(ObservedAttentionPress)", "tova_va": "CriticalKVPress(TOVAPress)",
-                   "snapkv_va": "CriticalKVPress(SnapKVPress)", "kvzap_dms": "DMSPress(KVzapPress)"}
+                   "snapkv_va": "CriticalKVPress(SnapKVPress)", "kvzap_dms": "DMSPress(KVzapPress)",
+                   "kvzap_eq": "DMSPress(KVzapPress)"}
 PAIRS.update({variant: VARIANT_PRESSES.get(variant, PAIRS[base]) for variant, (base, _) in VARIANTS.items()})
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 #: query-agnostic methods: they score the context without the question (all here are, under this protocol,
@@ -173,14 +178,16 @@ def make_press(kvpress, name: str, ratio: float, model):
     return press
 
 
-def kvzap_threshold(side: str, ratio: float) -> float:
+def kvzap_threshold(side: str, ratio: float, kind: str = "thresholds") -> float:
     """The DMS threshold of ``side`` (``sparseety`` or ``kvpress``) that, over the held-out training texts,
-    puts a fraction ``ratio`` of the (token, layer, KV head) scores below it."""
+    puts a fraction ``ratio`` of the (token, layer, KV head) scores below it; with ``kind="layer_thresholds"``
+    (SparSEEty only) the one at which ``kvzap threshold=T``, every head keeping its layer's busiest head's
+    count, holds ``1 - ratio`` of the tokens."""
     summary = KVZAP_DIR / "summary.json"
     if not summary.is_file():
         raise SystemExit(f"error: {summary} is missing: run benchmarks/kvpress_kvzap_train.py first")
     figures = json.loads(summary.read_text())[side]
-    thresholds = (figures["surrogates"]["linear"] if side == "kvpress" else figures)["thresholds"]
+    thresholds = (figures["surrogates"]["linear"] if side == "kvpress" else figures).get(kind, {})
     if str(ratio) not in thresholds:
         raise SystemExit(f"error: no {side} threshold calibrated for ratio {ratio} (have {', '.join(thresholds)})")
     return float(thresholds[str(ratio)])
@@ -311,8 +318,8 @@ def sparseety_side(engine, cases, name, ratio, options, threads):
         encoded = EncodedInput(ids, compress_len=len(case["context_ids"]))
         policy, variant_options = VARIANTS.get(name, (name, {}))
         chosen, budget_ratio = {**variant_options, **(options or {})}, ratio
-        if chosen.get("threshold") == "calibrated":  # threshold mode: no budget
-            chosen["threshold"], budget_ratio = kvzap_threshold("sparseety", ratio), None
+        if chosen.get("threshold") in CALIBRATED:  # threshold mode: no budget
+            chosen["threshold"], budget_ratio = kvzap_threshold("sparseety", ratio, CALIBRATED[chosen["threshold"]]), None
         got = answer_document(engine, encoded, policy, budget_ratio, options=chosen,
                               max_new_tokens=case["max_new_tokens"])
         rows.append(row_of(case, name, ratio, got.text, got.seconds, got.kv_cache_bytes_peak))

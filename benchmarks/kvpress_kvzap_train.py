@@ -27,8 +27,11 @@ Both sides are then measured the same way on the held-out texts' sampled tokens:
 (token, KV head) pairs and recall of the true top half per KV head (``learn-policy``'s figures). The DMS
 thresholds for ``DMSPress(KVzapPress, threshold)`` and ``kvzap threshold=T`` at the benchmark's ratios are
 the quantiles of each side's predicted scores over the held-out tokens (every layer and KV head): at
-threshold ``q_r``, a fraction ``r`` of the pairs score below it. Saved to ``<out>/summary.json``, which
-``benchmarks/kvpress_compare.py`` reads.
+threshold ``q_r``, a fraction ``r`` of the pairs score below it. That is DMS's memory (each head keeps its
+own tokens), not SparSEEty's threshold mode's, where every head of a layer keeps as many slots as its busiest
+head: ``layer_thresholds`` are the thresholds at which that rule holds ``1 - r`` of the tokens on the same
+held-out texts (equal memory). Saved to ``<out>/summary.json``, which ``benchmarks/kvpress_compare.py`` reads;
+``--sparseety-only`` re-measures SparSEEty's side and keeps the kvpress side of an existing one.
 """
 
 from __future__ import annotations
@@ -129,7 +132,24 @@ def fidelity(pred, true, per_text: int) -> dict:
     return {"heldout_mean": {key: round(sum(r[key] for r in per_layer) / layers, 4) for key in ("spearman", "recall@0.5")},
             "heldout": per_layer,
             "thresholds": {str(r): round(float(torch.quantile(flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:1_000_000]], r)), 4)
-                           for r in RATIOS}}
+                           for r in RATIOS},
+            "layer_thresholds": {str(r): round(layer_threshold(pred, per_text, r), 4) for r in RATIOS}}
+
+
+def layer_threshold(pred, per_text: int, ratio: float) -> float:
+    """The threshold at which SparSEEty's threshold mode holds ``1 - ratio`` of the tokens: a layer keeps, per
+    KV head, as many as its busiest head scores at or above it, so its kept share is that head's share;
+    averaged over the layers and texts (``pred`` ``[N, layers, kv_heads]``, ``per_text`` rows a text). Bisection."""
+    texts = pred.float().reshape(-1, per_text, pred.shape[1], pred.shape[2])  # [texts, tokens, layers, heads]
+
+    def kept(t: float) -> float:
+        return float((texts >= t).float().mean(dim=1).amax(dim=-1).mean())
+
+    low, high = float(pred.min()), float(pred.max()) + 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if kept(mid) > 1 - ratio else (low, mid)
+    return (low + high) / 2
 
 
 # -- SparSEEty side (runs in SparSEEty's .venv) --------------------------------------------------------------
@@ -188,6 +208,8 @@ def main() -> None:
     parser.add_argument("--surrogates", default="linear")
     parser.add_argument("--n-tokens", type=int, default=500, help="tokens sampled per text (kvzap/train.py's n_tokens)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sparseety-only", action="store_true",
+                        help="keep the kvpress side of an existing <out>/summary.json; re-measure SparSEEty's side only")
     args = parser.parse_args()
     surrogates = [s for s in args.surrogates.split(",") if s]
     if args.worker:
@@ -210,6 +232,14 @@ def main() -> None:
     contexts = read_contexts(args.traces, DEFAULT_MODEL, KVzapConfig().max_context)
     contexts = contexts[: args.requests] if args.requests else contexts
     train, held = split_requests(contexts, KVzapConfig().holdout, KVzapConfig().seed)  # type: ignore[arg-type]
+    engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
+    if args.sparseety_only:
+        summary = json.loads((args.out / "summary.json").read_text())
+        summary["sparseety"] = ours(engine, contexts, held, args.n_tokens)
+        summary["sparseety_command"] = "python benchmarks/kvpress_kvzap_train.py " + " ".join(sys.argv[1:])
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps({k: summary["sparseety"][k] for k in ("heldout_mean", "thresholds", "layer_thresholds")}))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     for stale in ("linear", "mlp"):  # save_pretrained refuses nothing; an old model must not survive a failed run
         shutil.rmtree(args.out / stale, ignore_errors=True)
@@ -227,7 +257,6 @@ def main() -> None:
                           "--surrogates", args.surrogates, "--n-tokens", str(args.n_tokens), "--threads", str(args.threads)],
                          env=env, stdout=subprocess.PIPE, text=True, check=True)
     kvpress = json.loads(got.stdout.strip().splitlines()[-1]) | {"wall_seconds": round(time.perf_counter() - t0, 1)}
-    engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
     summary = {
         "command": "python benchmarks/kvpress_kvzap_train.py " + " ".join(sys.argv[1:]),
         "model": DEFAULT_MODEL, "traces": str(args.traces), "requests": len(contexts),
