@@ -94,13 +94,33 @@ def shared_counts(scores: list[np.ndarray], sinks: int, budget: int, floor: floa
     return np.bincount(np.concatenate(owner)[order], minlength=len(scores)).tolist()
 
 
-@pytest.mark.parametrize("kind,share,floor", [("linear", True, 0.0), ("mlp", True, 0.0), ("linear", False, 0.0),
-                                              ("linear", True, 0.8)])
-def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind, share, floor):
+def head_counts_np(scores: list[np.ndarray], sinks: int, budget: int, layers: list[int]) -> dict[int, list[int]]:
+    """Per layer of ``layers`` the slots each KV head keeps when their (layer, head, slot) scores share
+    ``budget x heads x len(layers)`` (``per_head=true``), written independently: every head's best slot
+    (a sink here) first, then the highest scores (ties: the lower layer, head, slot)."""
+    flat, owner = [], []
+    for i, layer in enumerate(layers):
+        s = scores[layer].copy()
+        s[:sinks] = np.inf
+        for head in range(s.shape[1]):
+            col = s[:, head].copy()
+            col[np.argmax(col)] = np.inf
+            flat.append(col)
+            owner.append(np.full(col.shape[0], i * s.shape[1] + head))
+    order = np.argsort(-np.concatenate(flat), kind="stable")[: budget * KV * len(layers)]
+    won = np.bincount(np.concatenate(owner)[order], minlength=KV * len(layers))
+    return {layer: won[i * KV : (i + 1) * KV].tolist() for i, layer in enumerate(layers)}
+
+
+@pytest.mark.parametrize("kind,share,floor,per_head", [("linear", True, 0.0, False), ("mlp", True, 0.0, False),
+                                                       ("linear", False, 0.0, False), ("linear", True, 0.8, False),
+                                                       ("linear", False, 0.0, True), ("linear", True, 0.0, True)])
+def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, files, kind, share, floor, per_head):
     engine, reference = tiny
     ids = prompt_ids(60, seed=3)
     policy = build_policy("kvzap", 30, {"model": str(files[kind]), "surrogate": kind, "window": "4",
-                                        "share": str(share).lower(), "floor": str(floor)})
+                                        "share": str(share).lower(), "floor": str(floor),
+                                        "per_head": str(per_head).lower()})
     result = engine.generate(EncodedInput(ids), policy, max_new_tokens=12, tier=1)
     expected = independent_scores(reference, result.token_ids, read_surrogate(files[kind]))
     a = result.arrays
@@ -114,14 +134,21 @@ def test_scores_equal_an_independent_computation_in_prefill_and_decode(tiny, fil
     decoded = comparable & (a["evicted.position"] >= 60)
     assert decoded.any(), "a token written while decoding was scored and evicted"
     prefill = a["evicted.step"] == 0
-    counts = shared_counts([e[:60] for e in expected], 4, 30, floor) if share else [30] * LAYERS
-    assert sum(counts) == 30 * LAYERS and (len(set(counts)) > 1) == share and min(counts) >= floor * 30, counts
+    if per_head:
+        groups = [list(range(LAYERS))] if share else [[layer] for layer in range(LAYERS)]
+        per = {k: v for g in groups for k, v in head_counts_np([e[:60] for e in expected], 4, 30, g).items()}
+        counts = [per[layer] for layer in range(LAYERS)]
+        assert sum(map(sum, counts)) == 30 * KV * LAYERS and len({c for cs in counts for c in cs}) > 1, counts
+    else:
+        uniform = shared_counts([e[:60] for e in expected], 4, 30, floor) if share else [30] * LAYERS
+        assert sum(uniform) == 30 * LAYERS and (len(set(uniform)) > 1) == share and min(uniform) >= floor * 30, uniform
+        counts = [[c] * KV for c in uniform]
     for layer in range(LAYERS):  # the prefill evicts each head's lowest of the non-sink positions down to its count
         for head in range(KV):
             sel = prefill & (a["evicted.layer"] == layer) & (a["evicted.kv_head"] == head)
             # lowest first; equal scores (a repeated token at layer 0): the later position goes first
             order = 4 + np.lexsort((-np.arange(4, 60), expected[layer][4:60, head]))
-            assert sorted(a["evicted.position"][sel].tolist()) == sorted(order[: 60 - counts[layer]].tolist())
+            assert sorted(a["evicted.position"][sel].tolist()) == sorted(order[: 60 - counts[layer][head]].tolist())
 
 
 def expected_threshold_kept(scores: np.ndarray, threshold: float, sinks: int, window: int,
@@ -178,6 +205,10 @@ def test_option_errors_name_the_field_and_value(files):
         build_policy("kvzap", None, {"model": path})
     with pytest.raises(ConfigError, match=r"kvzap.*share.*'maybe'"):
         build_policy("kvzap", 16, {"model": path, "share": "maybe"})
+    with pytest.raises(ConfigError, match=r"kvzap: option per_head='often' is not a valid bool"):
+        build_policy("kvzap", 16, {"model": path, "per_head": "often"})
+    with pytest.raises(ConfigError, match="per_head shares a budget among a layer's heads; threshold mode has none"):
+        build_policy("kvzap", None, {"model": path, "threshold": "-4", "per_head": "true"})
     for bad in ("1.5", "half"):
         with pytest.raises(ConfigError, match=rf"kvzap.*floor.*\b'?{bad}'?"):
             build_policy("kvzap", 16, {"model": path, "share": "true", "floor": bad})

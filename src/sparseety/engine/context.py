@@ -496,7 +496,8 @@ class RunContext:
                 self._record_importance(layer, where, scored, attention)
         if not self.evicting:
             return
-        scores = self._score(layer, cache_layer, regions.k, LayerSignals(last_row=signal), 1)
+        seen = LayerSignals(last_row=signal, hidden=self._hidden.pop(layer, None))  # kvzap scores new tokens
+        scores = self._score(layer, cache_layer, regions.k, seen, 1)
         excess = regions.excess()
         if excess <= 0:
             return
@@ -524,7 +525,7 @@ class RunContext:
             state=cache_layer.state, seed=self.seed,
             queries=seen.queries, values=seen.values, rotary=seen.rotary,
             token_ids=self.slot_token_ids(positions) if self.policy.needs_token_ids else None,
-            hidden=seen.hidden,
+            hidden=seen.hidden, owners=None if cache_layer.regions is None else cache_layer.regions.owner,
         )
         scores, cache_layer.state = self.policy.score(obs)
         return scores

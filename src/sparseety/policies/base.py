@@ -74,7 +74,11 @@ class Observation:
         :attr:`Policy.needs_token_ids` is True; None otherwise.
     hidden : ``[b, r, hidden_size]`` the hidden states that entered this layer's attention block for the
         ``r`` tokens fed since the policy's previous call (a chunked prefill: every chunk's), the tokens of
-        the last ``r`` slots in order; only for policies whose :attr:`Policy.needs_hidden` is True.
+        the last ``r`` slots in order (on a layer stored per KV head: the ``r`` newest positions of every
+        head); only for policies whose :attr:`Policy.needs_hidden` is True.
+    owners : ``[b, 1, n]`` on a layer stored per KV head (after a policy gave its heads their own counts;
+        every head's slots in one row, so ``positions`` is ``[b, 1, n]`` and free slots hold position -1):
+        the KV head each slot belongs to; None otherwise.
     """
 
     layer: int
@@ -91,6 +95,7 @@ class Observation:
     rotary: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    owners: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,34 @@ def share_layers(scores: dict[int, torch.Tensor], budgets: dict[int, int],
     won = torch.cat(owner)[torch.sort(torch.cat(flat), descending=True, stable=True).indices[:total]]
     shares = torch.bincount(won, minlength=len(layers)).tolist()
     return {layer: int(shares[i]) for i, layer in enumerate(layers)}
+
+
+def head_counts(scores: dict[int, torch.Tensor], budgets: dict[int, int], layers: list[int]) -> dict[int, list[int]]:
+    """Per layer of ``layers``, the slots each KV head keeps when one ranking over all their (layer, head,
+    slot) scores (``[1, kv_heads, n]`` each) keeps the best ``sum(budgets) x kv_heads``.
+
+    Every head's best slot (its first, on ties) ranks first, so each keeps at least one and the counts
+    add up to exactly that total; other ties go to the lower layer, head, then slot (a stable sort).
+    """
+    heads = [scores[layer].shape[1] for layer in layers]
+    ranked = []
+    for layer in layers:
+        s = scores[layer][0].float().cpu().clone()
+        s.scatter_(-1, s.argmax(dim=-1, keepdim=True), float("inf"))
+        ranked.append(s.reshape(-1))
+    owner = torch.cat([torch.arange(kv_heads).repeat_interleave(scores[layer].shape[2]) + sum(heads[:i])
+                       for i, (layer, kv_heads) in enumerate(zip(layers, heads))])  # each slot's (layer, head), flat
+    total = sum(budgets[layer] * kv_heads for layer, kv_heads in zip(layers, heads))
+    won = owner[torch.sort(torch.cat(ranked), descending=True, stable=True).indices[:total]]
+    counts = torch.bincount(won, minlength=sum(heads)).split(heads)
+    return {layer: c.tolist() for layer, c in zip(layers, counts)}
+
+
+def share_heads(scores: dict[int, torch.Tensor], budgets: dict[int, int], across_layers: bool) -> dict[int, list[int]]:
+    """Per layer of ``scores`` one count per KV head (:func:`head_counts`): each layer's heads share its budget,
+    or with ``across_layers`` every layer's heads share the budgets' sum."""
+    groups = [sorted(scores)] if across_layers else [[layer] for layer in sorted(scores)]
+    return {layer: counts for group in groups for layer, counts in head_counts(scores, budgets, group).items()}
 
 
 def recent_mask(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import (ModelInfo, Observation, Policy, Signal, check_positive_int, protect, recent_mask,
-                                     share_layers)
+                                     share_heads, share_layers)
 from sparseety.policies.kvzap_model import SURROGATES, TRAIN_HINT, Surrogate, load_surrogate
 from sparseety.policies.learned_model import check_trained_for, shipped_file
 
@@ -37,6 +37,11 @@ class KVzapPolicy(Policy):
     one cut across layers is meaningful, as in KVzap's DMS thresholding. Off by default: it finds
     RULER's needles that uniform budgets lose, but the counts can be very uneven (one layer 9 slots,
     another all 389) and a short repetitive pass-key prompt then loses its key (docs/policies.md).
+
+    ``per_head=true`` (budget mode) gives each KV head its own count: at the same prefill the heads of a layer
+    share its budget by score (one ranking over the layer's (head, slot) scores; with ``share=true`` over every
+    layer's), each head's best slot first; the layer is then stored per KV head, as ``kvzip`` stores it, and a
+    decoded token's slot in head ``k`` takes the surrogate's score for head ``k``.
 
     Threshold mode (``threshold=T``, no budget): after each step every KV head of a layer keeps the same
     count, the most slots any of its heads scores at ``T`` or above (protected slots included), so a
@@ -65,6 +70,7 @@ class KVzapPolicy(Policy):
     window: int = 32
     share: bool = False
     floor: float = 0.0
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,8 +89,9 @@ class KVzapPolicy(Policy):
         check_positive_int(self.name, "max_kept", self.max_kept, minimum=0)
         check_positive_int(self.name, "sinks", self.sinks, minimum=0)
         check_positive_int(self.name, "window", self.window, minimum=0)
-        if not isinstance(self.share, bool):
-            raise ConfigError(f"kvzap: share must be true or false, got {self.share!r}")
+        for flag in ("share", "per_head"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"kvzap: {flag} must be true or false, got {getattr(self, flag)!r}")
         given = self.floor
         try:
             self.floor = float(given)
@@ -96,6 +103,9 @@ class KVzapPolicy(Policy):
         if self.threshold is not None and self.budget is not None:
             raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
                               "threshold run with max_kept=N")
+        if self.threshold is not None and self.per_head:
+            raise ConfigError("kvzap: per_head shares a budget among a layer's heads; threshold mode has none "
+                              "(give --budget/--ratio, or drop per_head)")
         if self.threshold is None and self.max_kept:
             raise ConfigError("kvzap: max_kept caps a threshold run; with a budget, the budget is the cap")
         if self.model:
@@ -109,7 +119,7 @@ class KVzapPolicy(Policy):
     def params(self) -> dict[str, object]:
         out: dict[str, object] = {"model": self.model, "surrogate": self.surrogate, "threshold": self.threshold,
                                   "max_kept": self.max_kept, "sinks": self.sinks, "window": self.window,
-                                  "share": self.share, "floor": self.floor}
+                                  "share": self.share, "floor": self.floor, "per_head": self.per_head}
         if self._surrogate is not None:
             out["surrogate_file"] = self._source
             out["trained_for"] = self._surrogate.model
@@ -144,11 +154,15 @@ class KVzapPolicy(Policy):
 
     @property
     def shares_budget(self) -> bool:
-        return self.share and self.threshold is None
+        return (self.share or self.per_head) and self.threshold is None
 
     def allocate(self, scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> dict[int, int | list[int]]:
-        """Per layer one count (see the class docstring): the budgets' sum shared by the layers' rank scores
-        (``[L]`` of ``[n]``: per rank, the best of the heads' scores at that rank)."""
+        """The counts (see the class docstring) for the layers of ``scores`` (``[b, kv_heads, n]`` each):
+        ``per_head``: per layer one count per KV head (its heads share its budget, or with ``share`` every
+        layer's heads share the sum); else per layer one count, the budgets' sum shared by the layers' rank
+        scores (per rank, the best of the heads' scores at that rank)."""
+        if self.per_head and scores:
+            return share_heads(scores, budgets, across_layers=self.share)
         if len(scores) < 2:
             return dict(budgets)
         return dict(share_layers(scores, budgets, lambda ranked: ranked.amax(dim=(0, 1)), self.floor))
@@ -165,7 +179,14 @@ class KVzapPolicy(Policy):
             if rows.shape[-1] != surrogate.hidden_size:
                 raise ConfigError(f"kvzap: the surrogate reads hidden size {surrogate.hidden_size}, the model's "
                                   f"layer {obs.layer} gives {rows.shape[-1]}")
-            state[..., n - rows.shape[1]:] = surrogate(obs.layer, rows).to(state.device)
+            predicted = surrogate(obs.layer, rows).to(state.device)  # [b, kv_heads, r]
+            if obs.owners is None:
+                state[..., n - rows.shape[1]:] = predicted
+            else:  # one row of every head's slots: a new token's slot takes its own head's score
+                first = obs.positions.amax() - rows.shape[1] + 1
+                fresh = obs.positions >= first
+                row = (obs.positions - first).clamp(min=0)
+                state = torch.where(fresh, predicted[0][obs.owners[0, 0], row[0, 0]].view_as(state), state)
         protected = obs.positions < self.sinks
         if self.threshold is not None:
             protected |= recent_mask(obs.positions, self.window)

@@ -18,7 +18,7 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import (Observation, Policy, Signal, check_positive_int, protect, recent_mask,
-                                     share_layers)
+                                     share_heads, share_layers)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -153,8 +153,7 @@ class KVzipPolicy(Policy):
         by score over all these layers together (see the class docstring).
         """
         if self.per_head and scores:
-            groups = [[layer] for layer in sorted(scores)] if self.layerwise else [sorted(scores)]
-            return {layer: counts for group in groups for layer, counts in head_counts(scores, budgets, group).items()}
+            return share_heads(scores, budgets, across_layers=not self.layerwise)
         if self.layerwise or len(scores) < 2:
             return dict(budgets)
         # what a layer's (j+1)-th slot per head adds: its heads' (j+1)-th best scores summed
@@ -170,24 +169,3 @@ class KVzipPolicy(Policy):
         if not obs.prefill:
             protected |= recent_mask(obs.positions, min(self.window, self.budget or 0))
         return protect(state, protected), state
-
-
-def head_counts(scores: dict[int, torch.Tensor], budgets: dict[int, int], layers: list[int]) -> dict[int, list[int]]:
-    """Per layer of ``layers``, the slots each KV head keeps when one ranking over all their (layer, head,
-    slot) scores (``[1, kv_heads, n]`` each) keeps the best ``sum(budgets) x kv_heads``.
-
-    Every head's best slot (its first, on ties) ranks first, so each keeps at least one and the counts
-    add up to exactly that total; other ties go to the lower layer, head, then slot (a stable sort).
-    """
-    heads = [scores[layer].shape[1] for layer in layers]
-    ranked = []
-    for layer in layers:
-        s = scores[layer][0].float().cpu().clone()
-        s.scatter_(-1, s.argmax(dim=-1, keepdim=True), float("inf"))
-        ranked.append(s.reshape(-1))
-    owner = torch.cat([torch.arange(kv_heads).repeat_interleave(scores[layer].shape[2]) + sum(heads[:i])
-                       for i, (layer, kv_heads) in enumerate(zip(layers, heads))])  # each slot's (layer, head), flat
-    total = sum(budgets[layer] * kv_heads for layer, kv_heads in zip(layers, heads))
-    won = owner[torch.sort(torch.cat(ranked), descending=True, stable=True).indices[:total]]
-    counts = torch.bincount(won, minlength=sum(heads)).split(heads)
-    return {layer: c.tolist() for layer, c in zip(layers, counts)}
