@@ -28,10 +28,11 @@ fraction of the expected items found). Pairs, each with its library's default op
 ``kvzap`` beside ``KVzapPress`` with the linear surrogate ``benchmarks/kvpress_kvzap_train.py`` trained with
 kvpress's own ``kvzap/train.py`` code on SparSEEty's training texts; ``kvzap_dms`` (``kvzap threshold=T``) beside
 ``DMSPress(KVzapPress, threshold=T)``, each side's ``T`` the quantile of its predicted scores at the run's
-ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true``) and ``kvzap_floor25``/``50``/``75``
-(``share=true floor=0.25``...) on SparSEEty's side only; ``kvzap_eq`` is threshold mode at the threshold that holds
+ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true per_head=false``) and ``kvzap_floor25``/``50``/``75``
+(the same with ``floor=0.25``...) on SparSEEty's side only; ``kvzap_eq`` is threshold mode at the threshold that holds
 the same memory as the ratio on the training texts (``layer_thresholds``), beside ``DMSPress(KVzapPress)``;
-``kvzap_per_head`` (``per_head=true``: a layer's heads share its budget) on SparSEEty's side only. ``pyramid``
+``kvzap_per_head`` (``per_head=true``: a layer's heads share its budget, ``kvzap``'s default since 2026-12-03;
+the ``kvzap`` rows of files written before then are ``per_head=false``, now ``kvzap_uniform``) on SparSEEty's side only. ``pyramid``
 and ``learned`` on SparSEEty's side only (``learned`` with
 ``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
 trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
@@ -74,10 +75,12 @@ VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
             "snapkv_va": ("snapkv", {"value_aware": True}),
             # threshold mode (DMS): the ratio picks each side's calibrated threshold (see KVZAP_DIR)
             "kvzap_dms": ("kvzap", {"threshold": "calibrated"}),
-            "kvzap_share": ("kvzap", {"share": True}),
+            "kvzap_share": ("kvzap", {"share": True, "per_head": False}),
+            "kvzap_uniform": ("kvzap", {"per_head": False}),
             "kvzap_eq": ("kvzap", {"threshold": "calibrated_layers"}),
             "kvzap_per_head": ("kvzap", {"per_head": True}),
-            **{f"kvzap_floor{int(f * 100)}": ("kvzap", {"share": True, "floor": f}) for f in (0.25, 0.5, 0.75)}}
+            **{f"kvzap_floor{int(f * 100)}": ("kvzap", {"share": True, "per_head": False, "floor": f})
+               for f in (0.25, 0.5, 0.75)}}
 #: Variants with a press of their own (else a variant sits beside its base policy's press): the value-aware
 #: options beside kvpress's CriticalKVPress around the same press (CriticalKV, arXiv 2502.03805, weighs by
 #: ‖W_O v‖₁ in two stages; VATP, which ``value_aware`` follows, by ‖v‖₁; kvpress has no VATP press).

@@ -33,16 +33,17 @@ def files(engine_for, tmp_path_factory):
 
 def kvzap_policies(path):
     return [
-        build_policy("kvzap", 21, {"model": str(path), "window": "4"}),
+        build_policy("kvzap", 21, {"model": str(path), "window": "4"}),  # a layer's heads share its budget
         build_policy("kvzap", None, {"model": str(path), "threshold": "0.0", "window": "6"}),
         build_policy("kvzap", None, {"model": str(path), "threshold": "-0.2", "max_kept": "18"}),
-        build_policy("kvzap", 21, {"model": str(path), "window": "4", "share": "true"}),  # layers share the budget
-        build_policy("kvzap", 21, {"model": str(path), "window": "4", "per_head": "true"}),  # a layer's heads share it
+        build_policy("kvzap", 21, {"model": str(path), "window": "4", "share": "true"}),  # every layer's heads share
+        build_policy("kvzap", 21, {"model": str(path), "window": "4", "per_head": "false"}),  # uniform counts
+        build_policy("kvzap", 21, {"model": str(path), "window": "4", "per_head": "false", "share": "true"}),
     ]
 
 
 @pytest.mark.parametrize("chunk", [7, 32])
-@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
 def test_chunked_prefill_keeps_the_same_sets_as_one_prefill(engine_for, files, chunk, mode):
     engine = engine_for("llama")
     e, policy = EncodedInput(prompt_ids(100, seed=9)), kvzap_policies(files["llama"])[mode]
@@ -57,12 +58,12 @@ def test_chunked_prefill_keeps_the_same_sets_as_one_prefill(engine_for, files, c
 def test_kvzap_in_a_mixed_batch_equals_each_alone(engine_for, files, family):
     engine = engine_for(family)
     pols = [*kvzap_policies(files[family]), build_policy("tova", 18), build_policy("dense"), build_policy("h2o", 24)]
-    encoded = inputs([90, 40, 63, 71, 84, 77, 17, 50])
+    encoded = inputs([90, 40, 63, 71, 84, 66, 77, 17, 50])
     options = GenerationOptions(max_new_tokens=NEW, tier=3)
     batched = engine.generate_batch(encoded, pols, options, prefill_chunk=4096 if family == "gemma3" else 24)
     for e, p, b in zip(encoded, pols, batched):
         assert_same_trace(engine.generate(e, p, max_new_tokens=NEW, tier=3), b)
-    assert all(b.eviction_events for b in batched[:5])
+    assert all(b.eviction_events for b in batched[:6])
 
 
 def test_hidden_states_reach_only_a_policy_that_reads_them(engine_for, files):

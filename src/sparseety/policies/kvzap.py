@@ -28,7 +28,7 @@ class KVzapPolicy(Policy):
     with the cache). The first ``sinks`` positions are always kept; the newest ``window`` positions are
     kept while decoding, and in threshold mode at prefill too (DMS-style).
 
-    Budget mode (``--budget``/``--ratio``): every layer keeps the budget; with ``share=true`` the layers
+    Budget mode (``--budget``/``--ratio``): every layer keeps the budget; with ``share=true per_head=false`` the layers
     share their summed budget, as one threshold over all of them would: at the prefill that completes the prompt (or the
     long-document context) every layer is scored first, then the cut falls where threshold mode would
     place it so that the kept slots add up to the budgets' sum. A layer's count is the most slots any of
@@ -38,10 +38,12 @@ class KVzapPolicy(Policy):
     RULER's needles that uniform budgets lose, but the counts can be very uneven (one layer 9 slots,
     another all 389) and a short repetitive pass-key prompt then loses its key (docs/policies.md).
 
-    ``per_head=true`` (budget mode) gives each KV head its own count: at the same prefill the heads of a layer
-    share its budget by score (one ranking over the layer's (head, slot) scores; with ``share=true`` over every
-    layer's), each head's best slot first; the layer is then stored per KV head, as ``kvzip`` stores it, and a
-    decoded token's slot in head ``k`` takes the surrogate's score for head ``k``.
+    ``per_head`` (budget mode; on by default) gives each KV head its own count: at the same prefill the heads
+    of a layer share its budget by score (one ranking over the layer's (head, slot) scores; with ``share=true``
+    over every layer's), each head's best slot first; the layer is then stored per KV head, as ``kvzip`` stores
+    it, and a decoded token's slot in head ``k`` takes the surrogate's score for head ``k``. Uniform budgets
+    lose RULER's needles that per-head counts find (docs/policies.md); ``per_head=false`` gives every head
+    the layer's count (and with ``share=true`` the per-layer sharing above, with its ``floor``).
 
     Threshold mode (``threshold=T``, no budget): after each step every KV head of a layer keeps the same
     count, the most slots any of its heads scores at ``T`` or above (protected slots included), so a
@@ -70,7 +72,7 @@ class KVzapPolicy(Policy):
     window: int = 32
     share: bool = False
     floor: float = 0.0
-    per_head: bool = False
+    per_head: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,9 +105,6 @@ class KVzapPolicy(Policy):
         if self.threshold is not None and self.budget is not None:
             raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
                               "threshold run with max_kept=N")
-        if self.threshold is not None and self.per_head:
-            raise ConfigError("kvzap: per_head shares a budget among a layer's heads; threshold mode has none "
-                              "(give --budget/--ratio, or drop per_head)")
         if self.threshold is None and self.max_kept:
             raise ConfigError("kvzap: max_kept caps a threshold run; with a budget, the budget is the cap")
         if self.model:
