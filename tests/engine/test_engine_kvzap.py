@@ -74,3 +74,27 @@ def test_hidden_states_reach_only_a_policy_that_reads_them(engine_for, files):
             engine.model(input_ids=prompt_ids(30, seed=2), past_key_values=ctx.cache, use_cache=True)
             seen.append((ctx.wants_hidden, len(ctx._hidden) + len(ctx._carried_hidden)))
     assert seen == [(False, 0), (True, 0)]  # kvzap's were handed over and dropped, layer by layer
+
+
+def test_per_head_counts_refuse_attention_topk_and_run_with_speculation_and_pruning(engine_for, files):
+    """Per-head layers can neither rank one shared top-k nor take rejected drafts back (typed refusals naming
+    the way out, per_head=false, which then composes with both); prompt pruning composes."""
+    from sparseety.policies.prune import parse_prune_schedule
+    from sparseety.errors import ConfigError, InputError
+
+    engine = engine_for("llama")
+    path = str(files["llama"])
+    e = EncodedInput(prompt_ids(60, seed=5))
+    with pytest.raises(InputError, match="kvzap.*each KV head.*per_head=false"):
+        engine.generate(e, build_policy("kvzap", 20, {"model": path}), max_new_tokens=3, attention_topk=4)
+    uniform = engine.generate(e, build_policy("kvzap", 20, {"model": path, "per_head": "false"}), max_new_tokens=3,
+                              attention_topk=4, tier=1)
+    assert uniform.skipped_events > 0
+    with pytest.raises(ConfigError, match="kvzap.*each KV head.*rejected drafts.*per_head=false"):
+        engine.generate(e, build_policy("kvzap", 20, {"model": path}), max_new_tokens=6, speculative=2)
+    options = {"model": path, "per_head": "false"}
+    drafted = engine.generate(e, build_policy("kvzap", 20, options), max_new_tokens=6, tier=1, speculative=2)
+    assert len(drafted.token_ids) == 60 + 6 and drafted.eviction_events
+    pruned = engine.generate(e, build_policy("kvzap", 20, {"model": path}), max_new_tokens=3, tier=1,
+                             prune=parse_prune_schedule("1:0.3"))
+    assert len(pruned.token_ids) == 60 + 3 and pruned.eviction_events

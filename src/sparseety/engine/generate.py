@@ -349,6 +349,9 @@ class SparseEngine:
             raise ConfigError(f"policy {policy.name!r} cannot be combined with speculative decoding in generate: "
                               "its reconstruction pass runs between the prefill and the first decode step, and "
                               "transformers' prompt lookup needs an empty cache")
+        if policy.splits_heads:
+            raise ConfigError(f"policy {policy.name!r} keeps a different number of slots in each KV head, and such a "
+                              "layer cannot take rejected drafts back; set its option per_head=false to draft")
         if encoded.compress_len is not None:
             raise InputError("speculative decoding cannot be combined with the long-document protocol: "
                              "transformers' prompt lookup re-feeds a pre-filled cache")

@@ -152,6 +152,10 @@ class KVzapPolicy(Policy):
         return self._surrogate
 
     @property
+    def splits_heads(self) -> bool:
+        return self.per_head and self.threshold is None
+
+    @property
     def shares_budget(self) -> bool:
         return (self.share or self.per_head) and self.threshold is None
 
