@@ -101,7 +101,7 @@ class KVzapPolicy(Policy):
             self.floor = float("nan")
         if isinstance(given, bool) or not 0.0 <= self.floor <= 1.0:
             raise ConfigError(f"kvzap: floor must be a number from 0 to 1 (the share of its budget every layer "
-                              f"keeps under share=true), got {given!r}")
+                              f"keeps under share=true per_head=false), got {given!r}")
         if self.threshold is not None and self.budget is not None:
             raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
                               "threshold run with max_kept=N")
