@@ -135,13 +135,44 @@ def test_a_decode_eviction_drops_each_heads_lowest_ties_to_the_newest_and_fills_
     scores[o[0] : o[0] + 5] = torch.tensor([0.5, 0.1, 0.9, 0.1, 0.7])  # tie at positions 1 and 3: the newest goes
     scores[o[1] : o[1] + 3] = torch.tensor([0.0, 0.0, 0.0])  # at its budget: untouched
     scores[o[2] : o[2] + 3] = torch.tensor([0.8, 0.6, 0.2])  # its last slot is the lowest: no move
-    slots, heads, positions = (torch.as_tensor(x) for x in regions.evict_lowest(scores))
+    slots, heads, positions = regions.evict_over_budget(scores)
     assert slots.tolist() == [o[0] + 3, o[2] + 2] and heads.tolist() == [0, 2] and positions.tolist() == [3, 4]
     assert [p.tolist() for p in layer.head_slots()] == [[0, 1, 2, 4], [0, 1, 2], [1, 3]]
     assert torch.equal(regions.head_keys(0)[0][0, 0], keys[0, 0, [0, 1, 2, 4]])
     assert torch.equal(regions.head_keys(0)[1][0, 0], -keys[0, 0, [0, 1, 2, 4]])
     assert regions.counts == [4, 3, 2] and int((regions.pos >= 0).sum()) == 9
-    assert len(regions.evict_lowest(scores)[0]) == 0  # every head at its budget
+    assert len(regions.evict_over_budget(scores)[0]) == 0  # every head at its budget
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_decode_steps_per_head_eviction_drops_what_the_row_wide_selection_drops(seed):
+    """The decode step's head-by-head path against ``select_evict_by_head`` + ``evict`` on a copy: integer
+    scores (many ties), scrambled slots, free room, a head at its budget."""
+    import copy
+
+    from sparseety.policies.base import select_evict_by_head
+
+    g = torch.Generator().manual_seed(seed)
+    layer = SparseLayer()
+    layer.update(torch.randn(1, 3, 40, 2, generator=g), torch.randn(1, 3, 40, 2, generator=g))
+    keep = [torch.randperm(40, generator=g)[: 10 + 5 * i] for i in range(3)]
+    layer.split(keep, budgets=[10, 16, 20])  # head 1 below its budget: at the first step it evicts nothing
+    regions = layer.regions
+    regions.state = torch.zeros(1, 1, regions.pos.shape[-1])
+    for step in range(4):  # append, then one out of each head over its budget
+        regions.append(torch.randn(1, 3, 1, 2, generator=g), torch.randn(1, 3, 1, 2, generator=g), 40 + step)
+        regions.state.copy_(torch.randint(0, 3, regions.state.shape, generator=g).float())
+        scores = regions.state[0, 0].clone()
+        other = copy.deepcopy(regions)
+        other._rows = [b[0, 0] for b in (other.k, other.v, other.pos, other.norm) if b is not None]
+        expected = other.evict(select_evict_by_head(scores, other.pos[0, 0], other.owner[0, 0], other.budget_tensor,
+                                                    other.counts))
+        got = regions.evict_over_budget(scores)
+        for a, b in zip(got, expected):
+            assert a.tolist() == b.tolist()
+        for name in ("k", "v", "pos", "state"):
+            assert torch.equal(getattr(regions, name), getattr(other, name)), name
+        assert regions.counts == other.counts
 
 
 def test_select_evict_by_head_leaves_each_head_its_budget_ties_to_the_lower_position():

@@ -115,7 +115,7 @@ def test_norms_follow_their_slots_through_eviction_and_splits(evicted):
     layer.split([torch.arange(0, 10), torch.arange(5, 20)], [10, 15])
     regions = layer.regions
     layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
-    regions.evict_lowest(torch.rand(regions.pos.shape[-1]))
+    regions.evict_over_budget(torch.rand(regions.pos.shape[-1]))
     for head in range(2):
         live = regions.live(head)
         torch.testing.assert_close(regions.norm[0, 0, live], regions.v[0, 0, live].norm(dim=-1, keepdim=True))

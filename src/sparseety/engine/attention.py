@@ -282,19 +282,28 @@ def attend_split(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, 
     if plan.topk is not None or plan.window_rows or plan.colsum_stride or plan.query_rows or ctx.prune_rows(layer):
         raise RuntimeError(f"layer {layer} is stored per KV head: it supports neither top-k attention, "
                            "prefill signals, query rows nor token pruning")
-    outputs = []
     # the newest row's attention per slot of the row (its KV group's mean; 0 on free slots)
     signal = torch.zeros(1, 1, regions.pos.shape[-1], device=query.device) if plan.last_row else None
+    if q == 1:  # the decode step: two plain matrix products per head, ``[g, d] @ [d, n_i]``, into one output
+        out = query.new_empty(1, 1, query.shape[1], query.shape[-1])
+        heads_out, rows_in = out[0, 0], query[0, :, 0]
+        for i in range(regions.heads):
+            key, value = regions.live_rows(i)
+            logits = torch.mm(rows_in[i * g : (i + 1) * g], key.t()).mul_(scaling)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            torch.mm(probs if probs.dtype == value.dtype else probs.to(value.dtype), value,
+                     out=heads_out[i * g : (i + 1) * g])
+            if signal is not None:
+                torch.mean(probs, dim=0, out=signal[0, 0, regions.live(i)])
+        ctx.observe_split(layer, signal)
+        return out
+    outputs = []
     for i in range(regions.heads):
         rows = query[:, i * g : (i + 1) * g]
         key, value = regions.head_keys(i)
-        if q == 1:  # the decode step: two plain matrix products per head, ``[g, d] @ [d, n_i]``
-            probs = torch.softmax(torch.mm(rows[0, :, 0], key[0, 0].t()).mul_(scaling).float(), dim=-1)
-            outputs.append(torch.mm(probs.to(value.dtype), value[0, 0]).view(1, 1, g, -1))
-        else:
-            outputs.append(causal_attention(module, rows, key, value, scaling, **kwargs))
-            probs = row_probs(rows[:, :, q - 1 :], key, scaling)[0, :, 0] if plan.last_row else None
-        if signal is not None and probs is not None:
+        outputs.append(causal_attention(module, rows, key, value, scaling, **kwargs))
+        if signal is not None:
+            probs = row_probs(rows[:, :, q - 1 :], key, scaling)[0, :, 0]
             torch.mean(probs, dim=0, out=signal[0, 0, regions.live(i)])
     ctx.observe_split(layer, signal)
     return torch.cat(outputs, dim=2)

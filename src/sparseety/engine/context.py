@@ -31,7 +31,6 @@ from sparseety.policies.base import (
     Signal,
     protect,
     select_evict,
-    select_evict_by_head,
     select_keep,
 )
 from sparseety.policies.kvzip import ReconstructionChunk
@@ -501,13 +500,8 @@ class RunContext:
         excess = regions.excess()
         if excess <= 0:
             return
-        scores = self._eviction_order(scores, cache_layer).masked_fill(regions.pos < 0, float("inf"))
-        if excess == 1:  # the decode step: one slot out of each head over its count
-            evicted, owners, positions = torch.tensor(regions.evict_lowest(scores[0, 0]), dtype=torch.long)
-        else:
-            chosen = select_evict_by_head(scores[0, 0], regions.pos[0, 0], regions.owner[0, 0], regions.budget_tensor,
-                                          regions.counts)
-            evicted, owners, positions = regions.evict(chosen)
+        scores = self._eviction_order(scores, cache_layer)
+        evicted, owners, positions = regions.evict_over_budget(scores[0, 0])
         if self.tier >= 1:
             self.evictions.add(self.step, layer, positions.view(1, -1),
                                scores[0, 0, evicted.to(scores.device)].view(1, -1), heads=owners)

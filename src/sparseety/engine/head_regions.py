@@ -12,7 +12,11 @@ ints: a step reads no tensor to know where to write.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
+
+from sparseety.policies.base import select_evict_by_head
 
 #: The most free slots a region is given when it is (re)built.
 REGION_ROOM = 256
@@ -61,6 +65,8 @@ class HeadRegions:
         self.norm = None if norms is None else norms[0].new_zeros(1, 1, total, norms[0].shape[-1])
         self.owner = torch.cat([torch.full((c,), i, dtype=torch.long, device=ref.device)
                                 for i, c in enumerate(self.capacities)]).view(1, 1, total)
+        # flat views ``[capacity, ...]`` of the buffers this object owns (``state`` is the policy's: it is replaced)
+        self._rows = [b[0, 0] for b in (self.k, self.v, self.pos, self.norm) if b is not None]
         for i, (start, n) in enumerate(zip(self.offsets, self.counts)):
             self.k[0, 0, start : start + n], self.v[0, 0, start : start + n] = keys[i], values[i]
             self.pos[0, 0, start : start + n] = positions[i]
@@ -84,6 +90,11 @@ class HeadRegions:
         live = self.live(head)
         return self.k[:, :, live], self.v[:, :, live]
 
+    def live_rows(self, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([n_i, d], [n_i, d])`` head ``head``'s live keys and values (views)."""
+        live = self.live(head)
+        return self._rows[0][live], self._rows[1][live]
+
     def live_values(self, x: torch.Tensor) -> torch.Tensor:
         """``[held]``: a per-slot row ``x`` (``[1, 1, capacity]``) at the live slots, head after head."""
         return torch.cat([x[0, 0, self.live(i)] for i in range(self.heads)])
@@ -103,23 +114,17 @@ class HeadRegions:
         q = keys.shape[2]
         if any(n + q > c for n, c in zip(self.counts, self.capacities)):
             self._regrow(q)
-        if q == 1:  # the decode step: one slot per head, by plain copies
-            for i, (start, n) in enumerate(zip(self.offsets, self.counts)):
-                self.k[0, 0, start + n], self.v[0, 0, start + n] = keys[0, i, 0], values[0, i, 0]
-                self.pos[0, 0, start + n] = first
-                if self.state is not None:
-                    self.state[0, 0, start + n] = 0
-                if self.norm is not None and norms is not None:
-                    self.norm[0, 0, start + n] = norms[0, i, 0]
-            self.counts = [n + 1 for n in self.counts]
-            return
         index = torch.tensor([start + n + j for start, n in zip(self.offsets, self.counts) for j in range(q)],
                              device=self.k.device)
-        self.k[0, 0, index] = keys[0].reshape(-1, keys.shape[-1])
-        self.v[0, 0, index] = values[0].reshape(-1, values.shape[-1])
-        self.pos[0, 0, index] = torch.arange(first, first + q, device=self.k.device).repeat(self.heads)
+        k, v, pos = self._rows[:3]
+        k[index] = keys[0].reshape(-1, keys.shape[-1])
+        v[index] = values[0].reshape(-1, values.shape[-1])
+        if q == 1:
+            pos.index_fill_(0, index, first)
+        else:
+            pos[index] = torch.arange(first, first + q, device=self.k.device).repeat(self.heads)
         if self.state is not None:
-            self.state[0, 0, index] = 0
+            self.state[0, 0].index_fill_(0, index, 0)
         if self.norm is not None and norms is not None:
             self.norm[0, 0, index] = norms[0].reshape(-1, norms.shape[-1])
         self.counts = [n + q for n in self.counts]
@@ -138,14 +143,13 @@ class HeadRegions:
         Returns ``(slots, heads, positions)``, each ``[e]``: the dropped slots (their indices before the
         move), their KV heads and original positions, head by head.
         """
+        device = self.k.device
         freed = sorted(slots.tolist())
         by_head: dict[int, list[int]] = {}
-        for s in freed:
-            head = max(i for i, start in enumerate(self.offsets) if start <= s)
-            by_head.setdefault(head, []).append(s)
-        ordered = [s for head in sorted(by_head) for s in by_head[head]]
-        order = torch.tensor(ordered, dtype=torch.long, device=self.k.device)
-        heads = torch.tensor([head for head in sorted(by_head) for _ in by_head[head]], device=self.k.device)
+        for s in freed:  # regions lie in head order: a slot's head is the last region starting at or before it
+            by_head.setdefault(bisect.bisect_right(self.offsets, s) - 1, []).append(s)
+        order = torch.tensor(freed, dtype=torch.long, device=device)
+        heads = torch.tensor([head for head, gone in by_head.items() for _ in gone], device=device)
         positions = self.pos[0, 0, order]
         holes, movers, dead = [], [], []
         for head, gone in by_head.items():
@@ -157,38 +161,40 @@ class HeadRegions:
             dead += range(start + k, start + n)
             self.counts[head] = k
         if holes:
-            src, dst = torch.tensor(movers, device=self.k.device), torch.tensor(holes, device=self.k.device)
-            for buffer in (self.k, self.v, self.pos, self.state, self.norm):
-                if buffer is not None:
-                    buffer[0, 0, dst] = buffer[0, 0, src]
-        self.pos[0, 0, torch.tensor(dead, dtype=torch.long, device=self.k.device)] = -1
+            src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
+            for row in self._rows if self.state is None else (*self._rows, self.state[0, 0]):
+                row[dst] = row[src]
+        self._rows[2][torch.tensor(dead, dtype=torch.long, device=device)] = -1
         return order, heads, positions
 
-    def evict_lowest(self, scores: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
-        """The decode step: every head over its budget by one drops its lowest-scored live slot (ties: the
-        newest position), the region's last live slot taking its place. ``scores`` ``[capacity]``.
+    def evict_over_budget(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every head above its budget drops its lowest-scored live slots (``scores`` ``[capacity]``; ties: the
+        lower position, at a decode step's one slot per head the newest), as :meth:`evict` returns them."""
+        if self.excess() == 1:  # the decode step: the region's last live slot fills the hole
+            return self._evict_lowest(scores)
+        return self.evict(select_evict_by_head(scores, self._rows[2], self.owner[0, 0], self.budget_tensor,
+                                               self.counts))
 
-        Returns ``(slots, heads, positions)``: the dropped slots (indices before the move), their heads and
-        original positions, one entry per head that evicted.
-        """
-        slots, heads, positions = [], [], []
+    def _evict_lowest(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One slot out of each head over its budget by one: the lowest-scored live one, ties to the newest
+        (as :func:`select_evict_by_head` picks at a decode step, by a few ops per head instead of ~20 on the row)."""
+        pos = self._rows[2]
+        holes, lasts, heads = [], [], []
         for head, (start, n, budget) in enumerate(zip(self.offsets, self.counts, self.budgets)):
             if n <= budget:
                 continue
-            live = slice(start, start + n)
-            region, where = scores[live], self.pos[0, 0, live]
-            lowest = torch.where(region == region.min(), where, -1).argmax()
-            hole, last = start + int(lowest), start + n - 1
-            slots.append(hole)
+            region = scores[start : start + n]
+            holes.append(start + int(torch.where(region == region.min(), pos[start : start + n], -1).argmax()))
+            lasts.append(start + n - 1)
             heads.append(head)
-            positions.append(int(self.pos[0, 0, hole]))
-            if hole != last:
-                for buffer in (self.k, self.v, self.pos, self.state, self.norm):
-                    if buffer is not None:
-                        buffer[0, 0, hole] = buffer[0, 0, last]
-            self.pos[0, 0, last] = -1
             self.counts[head] = n - 1
-        return slots, heads, positions
+        device = self.k.device
+        dst, src = torch.tensor(holes, device=device), torch.tensor(lasts, device=device)
+        positions = pos[dst]
+        for row in self._rows if self.state is None else (*self._rows, self.state[0, 0]):
+            row[dst] = row[src]
+        pos[src] = -1
+        return dst, torch.tensor(heads, device=device), positions
 
     def excess(self) -> int:
         """The most slots any head holds above its budget (0 or less: none to evict)."""
