@@ -78,7 +78,8 @@ class Observation:
         head); only for policies whose :attr:`Policy.needs_hidden` is True.
     owners : ``[b, 1, n]`` on a layer stored per KV head (after a policy gave its heads their own counts;
         every head's slots in one row, so ``positions`` is ``[b, 1, n]`` and free slots hold position -1):
-        the KV head each slot belongs to; None otherwise.
+        the KV head each slot belongs to (heads' slots lie together, in head order, and a head's slots of the
+        ``r`` newest positions are its last ``r`` live ones); None otherwise.
     """
 
     layer: int

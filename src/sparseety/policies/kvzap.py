@@ -176,25 +176,23 @@ class KVzapPolicy(Policy):
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = obs.positions.shape[-1]
         state = obs.state.clone() if obs.state is not None else torch.zeros(obs.positions.shape, device=obs.positions.device)
+        # a layer stored per KV head is one row, so every head's newest position is the row's
+        newest = None if obs.owners is None else int(obs.positions.amax())
         if obs.hidden is not None and obs.hidden.shape[1]:
             rows = obs.hidden[:, -n:]
             surrogate = self.surrogate_model
             if rows.shape[-1] != surrogate.hidden_size:
                 raise ConfigError(f"kvzap: the surrogate reads hidden size {surrogate.hidden_size}, the model's "
                                   f"layer {obs.layer} gives {rows.shape[-1]}")
-            predicted = surrogate(obs.layer, rows).to(state.device)  # [b, kv_heads, r]
-            if obs.owners is None:
+            predicted = surrogate(obs.layer, rows)  # [b, kv_heads, r]
+            if newest is None:
                 state[..., n - rows.shape[1]:] = predicted
-            else:  # one row of every head's slots: a new token's slot takes its own head's score
-                first = obs.positions.amax() - rows.shape[1] + 1
-                fresh = obs.positions >= first
-                row = (obs.positions - first).clamp(min=0)
-                state = torch.where(fresh, predicted[0][obs.owners[0, 0], row[0, 0]].view_as(state), state)
+            else:  # each head's new slots are its last live ones, head after head
+                state.masked_scatter_(obs.positions > newest - rows.shape[1], predicted)
         protected = obs.positions < self.sinks
-        if self.threshold is not None:
-            protected |= recent_mask(obs.positions, self.window)
-        elif not obs.prefill:  # as kvzip: the answer being written is never cut
-            protected |= recent_mask(obs.positions, min(self.window, self.budget or 0))
+        window = self.window if self.threshold is not None else 0 if obs.prefill else min(self.window, self.budget or 0)
+        if window:  # a threshold keeps its recent window; a budget, as kvzip, never cuts the answer being written
+            protected |= recent_mask(obs.positions, window) if newest is None else obs.positions > newest - window
         return protect(state, protected), state
 
     def keep_count(self, scores: torch.Tensor) -> int | None:

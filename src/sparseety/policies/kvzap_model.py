@@ -39,6 +39,9 @@ class Surrogate:
     model: str
     model_fingerprint: str
     provenance: dict[str, Any] = field(default_factory=dict)
+    #: per (layer, device): ``(w1, b1, w2, b2)`` laid out for ``linear`` (``[out, in]``), made on first use
+    _laid_out: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def kind(self) -> str:
@@ -58,11 +61,16 @@ class Surrogate:
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted scores ``[b, kv_heads, r]`` (float32) of hidden states ``[b, r, D]`` of layer ``layer``."""
-        device = hidden.device
+        weights = self._laid_out.get((layer, hidden.device))
+        if weights is None:
+            weights = self._laid_out[layer, hidden.device] = tuple(
+                w.to(hidden.device).t().contiguous() if w.dim() == 2 else w.to(hidden.device)
+                for w in (self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer]))
+        w1, b1, w2, b2 = weights
         x = hidden.float()
-        if self.w1.shape[-1]:
-            x = torch.nn.functional.gelu(x @ self.w1[layer].to(device) + self.b1[layer].to(device))
-        return (x @ self.w2[layer].to(device) + self.b2[layer].to(device)).transpose(1, 2)
+        if w1.shape[0]:
+            x = torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1))
+        return torch.nn.functional.linear(x, w2, b2).transpose(1, 2)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name).float().contiguous() for name in _TENSORS}
