@@ -163,8 +163,7 @@ def test_the_decode_steps_per_head_eviction_drops_what_the_row_wide_selection_dr
         regions.append(torch.randn(1, 3, 1, 2, generator=g), torch.randn(1, 3, 1, 2, generator=g), 40 + step)
         regions.state.copy_(torch.randint(0, 3, regions.state.shape, generator=g).float())
         scores = regions.state[0, 0].clone()
-        other = copy.deepcopy(regions)
-        other._rows = [b[0, 0] for b in (other.k, other.v, other.pos, other.norm) if b is not None]
+        other = copy.deepcopy(regions)  # its flat views stay views of its own buffers
         expected = other.evict(select_evict_by_head(scores, other.pos[0, 0], other.owner[0, 0], other.budget_tensor,
                                                     other.counts))
         got = regions.evict_over_budget(scores)
