@@ -291,8 +291,7 @@ def attend_split(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, 
             key, value = regions.live_rows(i)
             logits = torch.mm(rows_in[i * g : (i + 1) * g], key.t()).mul_(scaling)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            torch.mm(probs if probs.dtype == value.dtype else probs.to(value.dtype), value,
-                     out=heads_out[i * g : (i + 1) * g])
+            torch.mm(probs.to(value.dtype), value, out=heads_out[i * g : (i + 1) * g])
             if signal is not None:
                 torch.mean(probs, dim=0, out=signal[0, 0, regions.live(i)])
         ctx.observe_split(layer, signal)
