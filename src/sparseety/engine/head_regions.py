@@ -162,8 +162,7 @@ class HeadRegions:
             self.counts[head] = k
         if holes:
             src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
-            for row in self._rows if self.state is None else (*self._rows, self.state[0, 0]):
-                row[dst] = row[src]
+            self._move(src, dst)
         self._rows[2][torch.tensor(dead, dtype=torch.long, device=device)] = -1
         return order, heads, positions
 
@@ -191,10 +190,14 @@ class HeadRegions:
         device = self.k.device
         dst, src = torch.tensor(holes, device=device), torch.tensor(lasts, device=device)
         positions = pos[dst]
-        for row in self._rows if self.state is None else (*self._rows, self.state[0, 0]):
-            row[dst] = row[src]
+        self._move(src, dst)
         pos[src] = -1
         return dst, torch.tensor(heads, device=device), positions
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots ``src`` ``[m]`` onto slots ``dst`` ``[m]`` in every per-slot buffer, the policy's state included."""
+        for row in self._rows if self.state is None else (*self._rows, self.state[0, 0]):
+            row[dst] = row[src]
 
     def excess(self) -> int:
         """The most slots any head holds above its budget (0 or less: none to evict)."""
