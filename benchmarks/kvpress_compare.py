@@ -89,6 +89,8 @@ VARIANT_PRESSES = {"h2o_va": "CriticalKVPress(ObservedAttentionPress)", "tova_va
                    "kvzap_eq": "DMSPress(KVzapPress)"}
 PAIRS.update({variant: VARIANT_PRESSES.get(variant, PAIRS[base]) for variant, (base, _) in VARIANTS.items()})
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+#: what names one case (with the side, the policy and the ratio: one answer)
+CASE_KEYS = ("task", "length", "depth", "index", "seed")
 #: query-agnostic methods: they score the context without the question (all here are, under this protocol,
 #: since the question is never seen while compressing); kept for the target's wording
 EAGER_PRESSES = {"ObservedAttentionPress"}  # needs attention weights: eager attention on the kvpress side
@@ -303,7 +305,7 @@ def score_case(case: dict, answer: str) -> float:
 def row_of(case: dict, policy: str, ratio: float, answer: str, seconds: float, kv_bytes: int,
            kept_fraction: float | None = None) -> dict:
     """One answer's row; ``kept_fraction``: the share of KV pairs a masking press left unmasked, when it says."""
-    keys = {k: case[k] for k in ("task", "length", "depth", "index", "seed") if k in case}
+    keys = {k: case[k] for k in CASE_KEYS if k in case}
     row = {"policy": policy, "ratio": ratio, **keys, "answer": answer, "score": score_case(case, answer),
            "seconds": round(seconds, 3), "kv_bytes": int(kv_bytes)}
     return row if kept_fraction is None else row | {"kept_fraction": kept_fraction}
@@ -331,6 +333,18 @@ def sparseety_side(engine, cases, name, ratio, options, threads):
         print(f"sparseety {name} ratio={ratio} {case['label']}: {rows[-1]['score']:.0%} {got.text.strip()[:40]!r}",
               file=sys.stderr, flush=True)
     return rows
+
+
+def merged_rows(paths: list[Path]) -> tuple[list[dict], list[dict]]:
+    """``(sparseety rows, kvpress rows)`` of saved result files; the same case under the same policy and ratio,
+    run by two files, counts once (the later file's row)."""
+    docs = [json.loads(Path(path).read_text()) for path in paths]
+
+    def unique(side: str) -> list[dict]:
+        key = lambda r: tuple(r.get(k) for k in ("policy", "ratio", *CASE_KEYS))  # noqa: E731
+        return list({key(r): r for d in docs for r in d["rows"][side]}.values())
+
+    return unique("sparseety"), unique("kvpress")
 
 
 def summarize(rows):
@@ -489,13 +503,7 @@ def main() -> None:
         worker(args.worker, args.threads)
         return
     if args.markdown:
-        docs = [json.loads(path.read_text()) for path in args.markdown]
-        def unique(rows):  # the same case under the same policy and ratio, run by two files, counts once
-            key = lambda r: tuple(r.get(k) for k in ("policy", "ratio", "task", "length", "depth", "index", "seed"))  # noqa: E731
-            return list({key(r): r for r in rows}.values())
-
-        ours = unique(r for d in docs for r in d["rows"]["sparseety"])
-        theirs = unique(r for d in docs for r in d["rows"]["kvpress"])
+        ours, theirs = merged_rows(args.markdown)
         table = tables(ours, theirs)
         print(markdown({"table": table}))
         print()
