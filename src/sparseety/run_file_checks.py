@@ -5,46 +5,44 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sparseety.errors import ConfigError
-
-if TYPE_CHECKING:
-    from sparseety.run_file import RunFile
+from sparseety.run_file_sections import ExtractionSection, LoggingSection, SparsitySection
 
 _FLAG_PREFIX = re.compile(r"^(--[a-z-]+|prune schedule|prune):\s*")
 
 
-def check_values(run_file: RunFile) -> tuple[str, str] | None:
+def check_values(sparsity: SparsitySection, extraction: ExtractionSection,
+                 logging: LoggingSection) -> tuple[str, str] | None:
     """The first bad value as ``(key path, message)``; None when every value parses."""
-    for key, check in (("extraction.layers", _layers), ("sparsity.token_pruning", _pruning),
-                       ("sparsity.policy_opts", _policy_opts), ("logging.output_file", _output_file)):
+    checks = (("extraction.layers", _layers, extraction), ("sparsity.token_pruning", _pruning, sparsity),
+              ("sparsity.policy_opts", _policy_opts, sparsity), ("logging.output_file", _output_file, logging))
+    for key, check, section in checks:
         try:
-            check(run_file)
+            check(section)  # type: ignore[operator]
         except ConfigError as exc:
             return key, _FLAG_PREFIX.sub("", str(exc))
     return None
 
 
-def _layers(run_file: RunFile) -> None:
+def _layers(extraction: ExtractionSection) -> None:
     from sparseety.engine.layers import parse_layers
 
-    layers = run_file.extraction.layers
+    layers = extraction.layers
     if layers is not None:
         parse_layers(layers)
 
 
-def _pruning(run_file: RunFile) -> None:
+def _pruning(sparsity: SparsitySection) -> None:
     from sparseety.policies.prune import parse_prune_schedule
 
-    if isinstance(run_file.sparsity.token_pruning, str):
-        parse_prune_schedule(run_file.sparsity.token_pruning)
+    if isinstance(sparsity.token_pruning, str):
+        parse_prune_schedule(sparsity.token_pruning)
 
 
-def _policy_opts(run_file: RunFile) -> None:
+def _policy_opts(sparsity: SparsitySection) -> None:
     from sparseety.policies.registry import build_policy, get_policy_class, policy_options
 
-    sparsity = run_file.sparsity
     if not sparsity.policy_opts or sparsity.policy is None:
         return
     known = policy_options(get_policy_class(sparsity.policy))
@@ -58,8 +56,8 @@ def _policy_opts(run_file: RunFile) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _output_file(run_file: RunFile) -> None:
-    name = run_file.logging.output_file
+def _output_file(logging: LoggingSection) -> None:
+    name = logging.output_file
     if name is None:
         return
     if not name.strip():
