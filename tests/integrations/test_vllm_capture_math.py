@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparseety.integrations.vllm.attention_capture import RequestCapture, external_id, importance_channel
+from sparseety.integrations.vllm.attention_capture import RequestCapture, external_id
+from sparseety.integrations.vllm.channels import client_channel, importance_channel
 from sparseety.integrations.vllm.importance import summed_rows
 
 LAYERS, HEADS, KV_HEADS, D = 2, 6, 2, 8
@@ -150,6 +151,9 @@ def test_ids_and_channel():
     assert external_id("cmpl-1234-0-a1b2c3d4") == "cmpl-1234-0"
     assert external_id("plain") == "plain"
     assert importance_channel("ipc:///tmp/x.sock") == "ipc:///tmp/x-importance.sock"
+    assert importance_channel("ipc:///tmp/x") == "ipc:///tmp/x-importance"
+    assert client_channel(0, "ipc:///tmp/x.sock") == "ipc:///tmp/x.sock"
+    assert client_channel(2, "ipc:///tmp/x.sock") == "ipc:///tmp/x-c2.sock"
 
 
 @pytest.mark.parametrize("mode", ["attention", "value"])

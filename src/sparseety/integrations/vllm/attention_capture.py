@@ -57,6 +57,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from sparseety.integrations.vllm.channels import importance_channel
 from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
 
 
@@ -71,11 +72,6 @@ IMPORTANCE_ENV = "SPARSEETY_IMPORTANCE"
 SEND_HWM = 256
 FORWARD_PARAMS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
-
-
-def importance_channel(channel: str) -> str:
-    """The worker-to-observer importance endpoint next to the plugin's scheduler channel ``channel``."""
-    return channel[: -len(".sock")] + "-importance.sock" if channel.endswith(".sock") else channel + "-importance"
 
 
 def parse_mode(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:

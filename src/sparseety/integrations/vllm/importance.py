@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from sparseety.integrations.vllm.attention_capture import importance_channel
+from sparseety.integrations.vllm.channels import importance_channel
 
 log = logging.getLogger("sparseety.vllm")
 WAIT_S = 5.0  #: how long a finished, started request waits for its result before it is recorded without

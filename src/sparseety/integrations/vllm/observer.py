@@ -30,7 +30,7 @@ that log a hook's first failure (with its traceback) and count the rest (:func:`
 
 Ranks and API servers: with ``--api-server-count N`` each API server runs its own observer (``client``,
 vLLM's client index), records the requests it owns (vLLM routes a request's outputs to that one process)
-and binds its own channel (:func:`.plugin.client_channel`). Only API server 0 subscribes to the KV
+and binds its own channel (:func:`.channels.client_channel`). Only API server 0 subscribes to the KV
 events (every data-parallel rank's endpoint) and writes the ``vllm-prefix-cache`` records, one per rank
 and window, so the cache is recorded once. A request's record carries the engine (DP rank) that served
 it, from the per-engine stat logger that reported it; the ``sparseety:`` counters carry it as ``engine``.
@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from sparseety.integrations.vllm.channels import CHANNEL_ENV, client_channel, importance_channel
 from sparseety.integrations.vllm.kv_events import (
     KVChange,
     KVEventSubscriber,
@@ -372,8 +373,6 @@ class Observer:
 
         sock = self._forward.get(client)
         if sock is None:
-            from sparseety.integrations.vllm.attention_capture import importance_channel
-
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 1000)
             sock.setsockopt(zmq.LINGER, 0)
@@ -687,12 +686,8 @@ def _importance_inbox(channel: str | None) -> Any:
 
 def _client_channel(client: int) -> str | None:
     """The channel this API server binds (None when the plugin set none)."""
-    base = os.environ.get("SPARSEETY_VLLM_CHANNEL")
-    if not base:
-        return None
-    from sparseety.integrations.vllm.plugin import client_channel
-
-    return client_channel(client, base)
+    base = os.environ.get(CHANNEL_ENV)
+    return client_channel(client, base) if base else None
 
 
 def _engine_label(engine: int | None) -> str:

@@ -26,7 +26,7 @@ API server, one ``[kind, records]`` message per step and kind:
 
 The first process to register picks the channel (``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and
 the processes it spawns inherit it. With ``--api-server-count N`` each API server (vLLM's client index
-``k``, ``ParallelConfig._api_process_rank``) binds its own channel, :func:`client_channel` (``k = 0``: the
+``k``, ``ParallelConfig._api_process_rank``) binds its own channel, :func:`.channels.client_channel` (``k = 0``: the
 channel itself), and the engine core sends each record to the channel of the API server that owns the
 request (``Request.client_index``, the index vLLM routes the request's outputs by), so every request's
 records reach the one process that records it. With ``--data-parallel-size N`` every engine core's
@@ -39,34 +39,13 @@ import functools
 import inspect
 import logging
 import os
-import tempfile
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_channel
 from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
 
 log = logging.getLogger("sparseety.vllm")
-CHANNEL_ENV = "SPARSEETY_VLLM_CHANNEL"
-
-
-def channel() -> str:
-    """The scheduler-to-observer channel, chosen by the first process that registers."""
-    if CHANNEL_ENV not in os.environ:
-        name = f"sparseety-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
-        os.environ[CHANNEL_ENV] = "ipc://" + os.path.join(tempfile.gettempdir(), name)
-    return os.environ[CHANNEL_ENV]
-
-
-def client_channel(client: int, base: str | None = None) -> str:
-    """The channel API server ``client`` binds (vLLM's client index): the base channel for 0, else
-    ``<base>-c<client>.sock`` beside it."""
-    base = base if base is not None else channel()
-    if client <= 0:
-        return base
-    return (base[: -len(".sock")] if base.endswith(".sock") else base) + f"-c{client}.sock"
-
-
 def register() -> None:
     """Install the hooks (idempotent, never raising). A hook whose vLLM internal is missing or changed
     is off, with one warning (in the first process that registers; the processes it starts stay quiet)."""
