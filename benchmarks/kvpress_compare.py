@@ -32,7 +32,10 @@ ratio (that script's ``summary.json``); ``kvzap_share`` (``share=true per_head=f
 (the same with ``floor=0.25``...) on SparSEEty's side only; ``kvzap_eq`` is threshold mode at the threshold that holds
 the same memory as the ratio on the training texts (``layer_thresholds``), beside ``DMSPress(KVzapPress)``;
 ``kvzap_per_head`` (``per_head=true``: a layer's heads share its budget, ``kvzap``'s default since 2026-12-03;
-the ``kvzap`` rows of files written before then are ``per_head=false``, now ``kvzap_uniform``) on SparSEEty's side only. ``pyramid``
+the ``kvzap`` rows of files written before then are ``per_head=false``, now ``kvzap_uniform``) on SparSEEty's side only;
+``kvzap_share_heads`` (``per_head=true share=true``: every layer's heads share the total, as kvzip's do) and
+``kvzip_layerwise`` (``layerwise=true``: each layer's heads share its budget, as kvzap's do by default) on
+SparSEEty's side only, to tell the allocation's part from the scores'. ``pyramid``
 and ``learned`` on SparSEEty's side only (``learned`` with
 ``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
 trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
@@ -79,6 +82,10 @@ VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
             "kvzap_uniform": ("kvzap", {"per_head": False}),
             "kvzap_eq": ("kvzap", {"threshold": "calibrated_layers"}),
             "kvzap_per_head": ("kvzap", {"per_head": True}),
+            # the allocation apart from the scores: kvzap's heads sharing every layer's budget, as kvzip's do;
+            # kvzip's heads sharing only their own layer's, as kvzap's do by default
+            "kvzap_share_heads": ("kvzap", {"per_head": True, "share": True}),
+            "kvzip_layerwise": ("kvzip", {"layerwise": True}),
             **{f"kvzap_floor{int(f * 100)}": ("kvzap", {"share": True, "per_head": False, "floor": f})
                for f in (0.25, 0.5, 0.75)}}
 #: Variants with a press of their own (else a variant sits beside its base policy's press): the value-aware

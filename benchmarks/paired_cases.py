@@ -48,7 +48,7 @@ def paired(a: dict[tuple, float], b: dict[tuple, float]) -> dict:
     total_a, total_b = sum(a[k] for k in shared), sum(b[k] for k in shared)
     return {"cases": len(shared), "score_a": round(total_a, 4), "score_b": round(total_b, 4),
             "a_over_b": round(total_a / total_b, 4) if total_b else None,
-            "a_better": wins, "b_better": losses, "sign_test_p": round(sign_test(wins, losses), 4)}
+            "a_better": wins, "b_better": losses, "sign_test_p": float(f"{sign_test(wins, losses):.4g}")}
 
 
 def read(files: list[Path], aliases: list[str]) -> dict[str, list[dict]]:
