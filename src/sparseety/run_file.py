@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from sparseety.errors import ConfigError
 from sparseety.run_file_checks import check_values
-from sparseety.run_file_sections import ExtractionSection, LoggingSection, ModelSection, SparsitySection, Section
+from sparseety.run_file_sections import ExtractionSection, LoggingSection, ModelSection, Section, SparsitySection
 from sparseety.yaml_strict import line_of, load_yaml
 
 

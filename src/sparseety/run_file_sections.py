@@ -21,6 +21,8 @@ from sparseety.ratio import StrictRatio
 
 
 class Section(BaseModel):
+    """A part of the file: unknown keys are refused, values are frozen once read."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

@@ -46,6 +46,8 @@ from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_ch
 from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
 
 log = logging.getLogger("sparseety.vllm")
+
+
 def register() -> None:
     """Install the hooks (idempotent, never raising). A hook whose vLLM internal is missing or changed
     is off, with one warning (in the first process that registers; the processes it starts stay quiet)."""
