@@ -159,7 +159,7 @@ def test_the_decode_steps_per_head_eviction_drops_what_the_row_wide_selection_dr
     layer.split(keep, budgets=[10, 16, 20])  # head 1 below its budget: at the first step it evicts nothing
     regions = layer.regions
     regions.state = torch.zeros(1, 1, regions.pos.shape[-1])
-    for step in range(4):  # append, then one out of each head over its budget
+    for step in range(8):  # append, then one out of each head over its budget (from step 1 every head is)
         regions.append(torch.randn(1, 3, 1, 2, generator=g), torch.randn(1, 3, 1, 2, generator=g), 40 + step)
         regions.state.copy_(torch.randint(0, 3, regions.state.shape, generator=g).float())
         scores = regions.state[0, 0].clone()

@@ -187,12 +187,13 @@ class HeadRegions:
             lasts.append(start + n - 1)
             heads.append(head)
             self.counts[head] = n - 1
-        device = self.k.device
-        dst, src = torch.tensor(holes, device=device), torch.tensor(lasts, device=device)
+        m = len(holes)
+        packed = torch.tensor(holes + lasts + heads, device=self.k.device)  # one tensor (each costs ~7 us), three views
+        dst, src = packed[:m], packed[m : 2 * m]
         positions = pos[dst]
         self._move(src, dst)
         pos[src] = -1
-        return dst, torch.tensor(heads, device=device), positions
+        return dst, packed[2 * m :], positions
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` ``[m]`` onto slots ``dst`` ``[m]`` in every per-slot buffer, the policy's state included."""
