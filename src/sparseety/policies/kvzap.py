@@ -36,7 +36,7 @@ class KVzapPolicy(Policy):
     layer keeps its own count. KVzip+ scores are normalised (attention x ``||W_O v||`` / ``||x||``), so
     one cut across layers is meaningful, as in KVzap's DMS thresholding. Off by default: it finds
     RULER's needles that uniform budgets lose, but the counts can be very uneven (one layer 9 slots,
-    another all 389) and a short repetitive pass-key prompt then loses its key (docs/policies.md).
+    another all 389) and a short pass-key prompt then loses its key (docs/policies.md).
 
     ``per_head`` (budget mode; on by default) gives each KV head its own count: at the same prefill the heads
     of a layer share its budget by score (one ranking over the layer's (head, slot) scores; with ``share=true``
