@@ -112,19 +112,12 @@ def main() -> None:
 
     import torch
 
-    from kvzap_needles import value_spans
+    from kvzap_needles import shipped_surrogate, value_spans
 
     from sparseety.analysis.learn_kvzap import Context, capture
-    from sparseety.engine import SparseEngine
-    from sparseety.models import DEFAULT_MODEL, load_model
-    from sparseety.policies.kvzap_model import load_surrogate
-    from sparseety.policies.learned_model import shipped_file
+    from sparseety.models import DEFAULT_MODEL
 
-    torch.set_num_threads(1)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
-    path = shipped_file("kvzap-linear-", engine.model_info)
-    surrogate = load_surrogate(path)
+    engine, tokenizer, path, surrogate = shipped_surrogate()
     result: dict[str, object] = {"command": "python benchmarks/kvzap_levels.py " + " ".join(sys.argv[1:]),
                                  "surrogate": path.name, "ratio": args.ratio, "kinds": {}}
     for kind, items in contexts(tokenizer, args.cases).items():

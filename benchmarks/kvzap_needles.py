@@ -39,6 +39,23 @@ def value_spans(tokenizer, ids: list[int], values) -> list[list[int]]:
     return spans
 
 
+def shipped_surrogate():
+    """``(engine, tokenizer, surrogate file, surrogate)``: the default model (one torch thread) and the ``kvzap``
+    linear surrogate shipped for it."""
+    import torch
+
+    from sparseety.engine import SparseEngine
+    from sparseety.models import DEFAULT_MODEL, load_model
+    from sparseety.policies.kvzap_model import load_surrogate
+    from sparseety.policies.learned_model import shipped_file
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(DEFAULT_MODEL)
+    engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
+    path = shipped_file("kvzap-linear-", engine.model_info)
+    return engine, tokenizer, path, load_surrogate(path)
+
+
 def kept_whole(scores, spans: list[list[int]], ratio: float) -> float:
     """Share of (needle, KV head) pairs whose value tokens all fall in the head's top ``1 - ratio`` (``scores``
     ``[kv_heads, c]``)."""
@@ -59,23 +76,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
-    import torch
-
     from sparseety.analysis.learn_kvzap import Context, capture
+    from sparseety.bench.passkey import tokenizer_counter
     from sparseety.bench.ruler import encode_case, make_ruler_case
-    from sparseety.engine import SparseEngine
-    from sparseety.models import DEFAULT_MODEL, load_model
-    from sparseety.policies.kvzap_model import load_surrogate
-    from sparseety.policies.learned_model import shipped_file
+    from sparseety.models import DEFAULT_MODEL
 
-    torch.set_num_threads(1)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
-    path = shipped_file("kvzap-linear-", engine.model_info)
-    surrogate = load_surrogate(path)
-
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
+    engine, tokenizer, path, surrogate = shipped_surrogate()
+    count = tokenizer_counter(tokenizer)
 
     cases = []
     for task in args.tasks.split(","):
