@@ -141,3 +141,68 @@ def test_bench_passkey_takes_the_learned_policy_file(traced, tmp_path):
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
     unnamed = invoke(*args, "--out", str(tmp_path / "b3"))
     assert unnamed.exit_code == 2 and "no predictor file" in unnamed.stderr
+
+
+def test_split_holds_none_out_at_zero_and_always_trains_on_one():
+    from sparseety.analysis.learn_policy import split_requests
+
+    assert split_requests([0] * 5, 0.0, 0)[1] == []
+    assert split_requests([0], 0.5, 0) == ([0], [])
+    train, held = split_requests([0, 1], 0.9, 0)
+    assert len(train) == 1 and len(held) == 1
+
+
+@pytest.mark.parametrize("target", ["attention", "kvzip"])
+def test_no_heldout_set_stores_and_prints_no_heldout_figure(traced, tmp_path, target):
+    """--holdout 0, and a dataset of one request: no figure is called held-out, none is stored."""
+    folder, traces = traced
+    one = tmp_path / "one"
+    done = invoke("run", "--model", str(folder), "--prompt", PROMPT, "--no-chat", "--policy", "dense", "--tier", "3",
+                  "--force-trace", "--max-new-tokens", "6", "--trace-dir", str(one), "--no-report", "--json")
+    assert done.exit_code == 0, done.output
+    for source, extra in ((traces, ["--holdout", "0"]), (one, [])):
+        out = tmp_path / f"{source.name}-{target}.safetensors"
+        args = ["learn-policy", str(source), "-o", str(out), "--epochs", "1", "--target", target, *extra]
+        done = invoke(*args, "--json")
+        assert done.exit_code == 0, done.output
+        report = json.loads(done.stdout)
+        provenance = report["provenance"]
+        assert provenance["heldout_request_ids"] == [] and "no request was held out" in provenance["metrics_on"]
+        if target == "kvzip":
+            assert report["heldout"] == [] and report["heldout_mean"] is None
+            assert provenance["heldout"] is None and provenance["heldout_mean"] is None
+        else:
+            assert report["metrics"] is None and provenance["metrics"] is None
+        table = invoke(*args)
+        assert table.exit_code == 0, table.output
+        assert "no held-out set" in table.stdout and "held-out fidelity" not in table.stdout
+        assert "held-out ranking" not in table.stdout
+        assert ("--holdout 0" if extra else "a single request") in table.stdout
+
+
+@pytest.mark.parametrize("target", ["attention", "kvzip"])
+def test_trace_dir_messages_name_the_real_cause(traced, tmp_path, target):
+    folder, traces = traced
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = str(tmp_path / "p.safetensors")
+    done = invoke("learn-policy", str(afile), "-o", out, "--target", target)
+    assert done.exit_code == 2 and "is a file, expected a trace directory" in done.stderr, done.output
+    done = invoke("learn-policy", str(traces), "-o", out, "--target", target, "--model", "gemma3-270m")
+    assert done.exit_code == 2, done.output
+    assert "no traces of model 'gemma3-270m'" in done.stderr and str(folder) in done.stderr, done.stderr
+    assert "at least 32 tokens" not in done.stderr
+
+
+def test_kvzip_target_on_tier1_traces_names_the_tier_needed(traced, tmp_path):
+    folder, _ = traced
+    tier1 = tmp_path / "tier1"
+    for i in range(2):
+        done = invoke("run", "--model", str(folder), "--prompt", PROMPT + f" t{i}", "--no-chat", "--policy", "dense",
+                      "--tier", "1", "--max-new-tokens", "2", "--trace-dir", str(tier1), "--no-report", "--json")
+        assert done.exit_code == 0, done.output
+    done = invoke("learn-policy", str(tier1), "-o", str(tmp_path / "k.safetensors"), "--target", "kvzip")
+    assert done.exit_code == 2, done.output
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "store no prompt token ids" in lines[0] and "tier 2 or 3" in lines[0] and "32 tokens" not in lines[0]

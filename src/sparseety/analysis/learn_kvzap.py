@@ -1,6 +1,6 @@
 """Train the ``kvzap`` policy's surrogate from KVzip+ scores (``sparseety learn-policy --target kvzip``).
 
-Data. Each traced request's prompt (any tier, any policy) is a context: its first ``max_context`` token
+Data. Each traced request's prompt (tier 2 or 3: lower tiers store no token ids; any policy) is a context: its first ``max_context`` token
 ids. The trainer feeds the context followed by KVzip's reconstruction prompt and the context again
 (:meth:`KVzipPolicy.reconstruction_chunks`: "Repeat the previous context exactly.", the chat template's
 turn suffix, the context) as one teacher-forced forward on the model the traces name, dense, through
@@ -24,7 +24,8 @@ held-out ones by a seeded shuffle (:func:`sparseety.analysis.learn_policy.split_
 Held-out fidelity, per layer: Spearman's rank correlation of predicted and true scores over each
 held-out context's (token, KV head) pairs, and the recall of KVzip+'s kept set at ratio 0.5 (per KV head
 the top half of the tokens by the true score; the share of them the top half by prediction keeps),
-both averaged over the held-out requests.
+both averaged over the held-out requests. With no request held out (``holdout`` 0, or a single request)
+nothing is measured: the per-layer figures are empty and the provenance's held-out figures null.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from sparseety.analysis.learn_policy import check_trace_dir
 from sparseety.errors import InputError
 from sparseety.policies.base import Observation, Policy, Signal
 from sparseety.policies.kvzap_model import Surrogate
@@ -59,34 +61,43 @@ class Context:
 
 def read_contexts(trace_dir: str | Path, model: str | None = None, max_context: int = 2048,
                   min_context: int = 32) -> list[Context]:
-    """Every request of the dataset (of ``model`` only, when given), oldest first: its first ``max_context``
-    prompt token ids (requests with fewer than ``min_context`` are skipped).
+    """Every tier-2 or tier-3 request of the dataset (of ``model`` only, when given), oldest first: its first
+    ``max_context`` prompt token ids (requests with fewer than ``min_context`` are skipped; tier 0 and 1 store
+    no token ids).
 
     Raises
     ------
     InputError
-        No such request (or several models and no ``model`` chosen).
+        A file or no directory, no trace of ``model``, only traces without token ids, no prompt long enough,
+        or several models and no ``model`` chosen.
     """
     from sparseety.store import connect, load_trace
 
-    root = Path(trace_dir)
-    if not root.is_dir():
-        raise InputError(f"trace directory {root} does not exist")
-    rows = connect(root).sql("SELECT request_id, model FROM requests ORDER BY created_at, request_id").fetchall()
+    root = check_trace_dir(trace_dir)
+    record = f"record some with `sparseety run --policy dense --tier 2 --trace-dir {root} ...`"
+    rows = connect(root).sql("SELECT request_id, model, tier FROM requests ORDER BY created_at, request_id").fetchall()
     if model is not None:
+        found = sorted({r[1] for r in rows})
         rows = [r for r in rows if r[1] == model]
+        if not rows:
+            raise InputError(f"no traces of model {model!r} in {root} (--model); it holds traces of "
+                             f"{', '.join(found) if found else 'no model'}")
     models = sorted({r[1] for r in rows})
     if len(models) > 1:
         raise InputError(f"{root} holds traces of several models ({', '.join(models)}); choose one with --model")
+    stored = [r for r in rows if r[2] >= 2]  # tier 0 and 1 store counts and timings, no token ids
+    if rows and not stored:
+        raise InputError(f"the {len(rows)} traces in {root} are tier {'/'.join(str(t) for t in sorted({r[2] for r in rows}))}, "
+                         f"which store no prompt token ids; --target kvzip needs tier 2 or 3 traces ({record})")
     out = []
-    for request_id, name in rows:
+    for request_id, name, _tier in stored:
         ids = list(load_trace(root, request_id).document["prompt_token_ids"])[:max_context]
         if len(ids) >= min_context:
             out.append(Context(request_id=request_id, model=name, token_ids=ids))
     if not out:
-        raise InputError(f"no traced prompts of at least {min_context} tokens in {root} (record some with "
-                         f"`sparseety run --policy dense --trace-dir {root} ...`)")
+        raise InputError(f"no traced prompts of at least {min_context} tokens in {root} ({record})")
     return out
+
 
 
 def kvzip_plus(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden_rows: torch.Tensor,
@@ -247,7 +258,7 @@ def kept_recall(pred: torch.Tensor, true: torch.Tensor, ratio: float = 0.5) -> f
 @dataclass
 class KVzapResult:
     surrogate: Surrogate
-    per_layer: list[dict[str, float]]  #: held-out ``{"layer", "spearman", "recall@0.5"}``
+    per_layer: list[dict[str, float]]  #: held-out ``{"layer", "spearman", "recall@0.5"}``; empty when none held out
     train_requests: list[str]
     heldout_requests: list[str]
     tokens: int
@@ -257,7 +268,7 @@ def learn_kvzap(engine: Any, contexts: Sequence[Context], config: KVzapConfig, *
                 on_progress: Callable[[str], None] | None = None) -> KVzapResult:
     """Capture, fit and evaluate (see the module docstring); the surrogate with its provenance filled in."""
     from sparseety import __version__
-    from sparseety.analysis.learn_policy import split_requests
+    from sparseety.analysis.learn_policy import NO_HELDOUT, split_requests
     from sparseety.models.fingerprint import config_summary, model_fingerprint
 
     say = on_progress or (lambda _m: None)
@@ -291,19 +302,21 @@ def learn_kvzap(engine: Any, contexts: Sequence[Context], config: KVzapConfig, *
                           [torch.cat([y for _, y in s]) for s in samples], config)
     fingerprint = model_fingerprint(engine.model)
     surrogate = Surrogate(**weights, model=contexts[0].model, model_fingerprint=fingerprint)
-    held = held_idx or train_idx
     rho: list[list[float]] = [[] for _ in range(info.num_layers)]
     recall: list[list[float]] = [[] for _ in range(info.num_layers)]
-    for i, index in enumerate(held):
+    for i, index in enumerate(held_idx):  # only requests the fit never saw; none held out: no figure at all
         captured = capture(engine, contexts[index])
         for layer in range(info.num_layers):
             x, y = captured[layer]
             pred = surrogate(layer, x.unsqueeze(0))[0]  # [K, c]
             rho[layer].append(spearman(pred.reshape(-1), y.reshape(-1)))
             recall[layer].append(kept_recall(pred, y))
-        say(f"evaluated held-out request {i + 1}/{len(held)}")
+        say(f"evaluated held-out request {i + 1}/{len(held_idx)}")
     per_layer = [{"layer": layer, "spearman": round(float(np.mean(rho[layer])), 4),
-                  "recall@0.5": round(float(np.mean(recall[layer])), 4)} for layer in range(info.num_layers)]
+                  "recall@0.5": round(float(np.mean(recall[layer])), 4)} for layer in range(info.num_layers)] \
+        if held_idx else []
+    mean = {"spearman": round(float(np.mean([r["spearman"] for r in per_layer])), 4),
+            "recall@0.5": round(float(np.mean([r["recall@0.5"] for r in per_layer])), 4)} if per_layer else None
     surrogate.provenance = {
         "sparseety_version": __version__,
         "model": contexts[0].model,
@@ -319,10 +332,9 @@ def learn_kvzap(engine: Any, contexts: Sequence[Context], config: KVzapConfig, *
         "heldout_request_ids": [contexts[i].request_id for i in held_idx],
         "training_tokens": tokens,
         "config": dataclasses.asdict(config),
-        "heldout": per_layer,
-        "heldout_mean": {"spearman": round(float(np.mean([r["spearman"] for r in per_layer])), 4),
-                         "recall@0.5": round(float(np.mean([r["recall@0.5"] for r in per_layer])), 4)},
-        "metrics_on": "held-out requests" if held_idx else "training requests (too few requests to hold any out)",
+        "heldout": per_layer or None,
+        "heldout_mean": mean,
+        "metrics_on": "held-out requests" if held_idx else NO_HELDOUT,
     }
     return KVzapResult(surrogate=surrogate, per_layer=per_layer,
                        train_requests=[contexts[i].request_id for i in train_idx],

@@ -23,6 +23,8 @@ on every held-out request and layer, ``recall@keep`` is the share of the label's
 a policy keeping the top ``keep`` fraction of the context retains, for the predictor and for the
 baselines ``tova`` (last-row attention averaged over the layer's heads), ``h2o`` (prefill column
 sums per KV head, newest half of the budget protected, as ``h2o``'s defaults do) and ``recency``.
+With no request held out (``holdout`` 0, or a single request) nothing is measured: the metrics are None,
+never figures on the training requests.
 """
 
 from __future__ import annotations
@@ -75,10 +77,13 @@ def read_examples(trace_dir: str | Path, model: str | None = None, label: str = 
 
     if label not in LABELS:
         raise InputError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
-    root = Path(trace_dir)
-    if not root.is_dir():
-        raise InputError(f"trace directory {root} does not exist")
+    root = check_trace_dir(trace_dir)
     con = connect(root)
+    if model is not None:
+        found = sorted(r[0] for r in con.sql("SELECT DISTINCT model FROM requests").fetchall())
+        if model not in found:
+            raise InputError(f"no traces of model {model!r} in {root} (--model); it holds traces of "
+                             f"{', '.join(found) if found else 'no model'}")
     rows = con.sql("SELECT request_id, model FROM requests WHERE tier >= 3 ORDER BY created_at, request_id").fetchall()
     if model is not None:
         rows = [r for r in rows if r[1] == model]
@@ -105,6 +110,17 @@ def read_examples(trace_dir: str | Path, model: str | None = None, label: str = 
         raise InputError(f"no tier-3 traces with decode steps in {root} (record some with `sparseety run "
                          f"--tier 3 --policy dense --trace-dir {root} ...`)")
     return out
+
+
+def check_trace_dir(trace_dir: str | Path) -> Path:
+    """``trace_dir`` as a path, refused unless it is an existing directory (a file is named as one)."""
+    root = Path(trace_dir)
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{root} is a file, expected a trace directory (one written by `sparseety run "
+                         "--trace-dir DIR`)")
+    if not root.is_dir():
+        raise InputError(f"trace directory {root} does not exist")
+    return root
 
 
 @dataclass
@@ -192,10 +208,12 @@ class TrainConfig:
 
 
 def split_requests(examples: Sequence[TraceExample], holdout: float, seed: int) -> tuple[list[int], list[int]]:
-    """Indices of training and held-out requests (a seeded shuffle; one held out at least when there are two)."""
+    """Indices of training and held-out requests (a seeded shuffle). ``holdout`` 0 holds none out; above 0, one
+    at least is held out when there are two, and one at least is always trained on. With one request, or
+    ``holdout`` 0, the held-out list is empty: no held-out figure can be measured."""
     order = list(range(len(examples)))
     random.Random(f"learn-policy:{seed}").shuffle(order)
-    held = 0 if len(order) < 2 else max(1, int(round(holdout * len(order))))
+    held = 0 if len(order) < 2 or holdout <= 0 else min(len(order) - 1, max(1, int(round(holdout * len(order)))))
     return sorted(order[held:]), sorted(order[:held])
 
 
@@ -285,10 +303,14 @@ def evaluate(captured: Sequence[Captured], predictor: Predictor | None, label_to
     return {m: {k: round(float(np.mean(v)), 4) for k, v in table.items()} for m, table in sums.items()}
 
 
+#: the provenance's ``metrics_on`` when no request was held out (the metrics are then null)
+NO_HELDOUT = "none: no request was held out (--holdout 0, or a single request), so no held-out figure was measured"
+
+
 @dataclass
 class LearnResult:
     predictor: Predictor
-    metrics: dict[str, dict[str, float]]
+    metrics: dict[str, dict[str, float]] | None  #: held-out figures; None when no request was held out
     train_requests: list[str]
     heldout_requests: list[str]
     examples: int
@@ -315,8 +337,8 @@ def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *,
     features = feature_names(info.num_layers, info.kv_heads)
     predictor = Predictor(**weights, token_class=table, model=examples[0].model,
                           model_fingerprint=model_fingerprint(engine.model), features=features)
-    held = [captured[i] for i in held_idx] or [captured[i] for i in train_idx]
-    metrics = evaluate(held, predictor, config.label_top)
+    # measured only on requests the fit never saw; with none held out there is no such figure
+    metrics = evaluate([captured[i] for i in held_idx], predictor, config.label_top) if held_idx else None
     predictor.provenance = {
         "sparseety_version": __version__,
         "model": examples[0].model,
@@ -333,7 +355,7 @@ def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *,
         "training_slots": int(x.shape[0]),
         "config": dataclasses.asdict(config),
         "metrics": metrics,
-        "metrics_on": "held-out requests" if held_idx else "training requests (too few requests to hold any out)",
+        "metrics_on": "held-out requests" if held_idx else NO_HELDOUT,
     }
     return LearnResult(predictor=predictor, metrics=metrics,
                        train_requests=[examples[i].request_id for i in train_idx],

@@ -30,7 +30,8 @@ def learn_policy_cmd(
                               "row only: the query that writes the first answer token)."),
     label_top: float = typer.Option(0.02, "--label-top", help="Share of the context's positions labelled as "
                                     "heavy hitters (by attention received from later steps)."),
-    holdout: float = typer.Option(0.25, "--holdout", help="Share of the requests held out for the metrics."),
+    holdout: float = typer.Option(0.25, "--holdout", help="Share of the requests held out for the metrics (0: none held "
+                                 "out, and no held-out figure is measured)."),
     max_examples: int = typer.Option(300_000, "--max-examples", help="Training slots at most (evenly subsampled)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split, the subsample and the initial weights."),
     text_source: str = typer.Option("unspecified", "--text-source", help="What text the traces were made from "
@@ -40,7 +41,7 @@ def learn_policy_cmd(
     threads: int | None = THREADS_OPT,
     target: str = typer.Option("attention", "--target", help="What to learn: attention (the learned policy, "
                                "labels from later steps' attention in tier-3 traces) or kvzip (the kvzap policy's "
-                               "surrogate, regressing the KVzip+ scores of each traced prompt, any tier)."),
+                               "surrogate, regressing the KVzip+ scores of each traced prompt; tier-2 or tier-3 traces)."),
     surrogate: str = typer.Option("linear", "--surrogate", help="With --target kvzip: linear (ridge, per layer) "
                                   "or mlp (--hidden wide, --epochs, --lr)."),
 ) -> None:
@@ -70,9 +71,6 @@ def learn_policy_cmd(
         _learn_kvzip(trace_dir, out, model, surrogate, hidden, epochs, lr, holdout, max_examples, seed, text_source,
                      as_json, quiet, threads)
         return
-    if trace_dir.exists() and not trace_dir.is_dir():
-        raise ConfigError(f"{trace_dir} is a file; learn-policy reads a trace directory (one written by "
-                          "`sparseety run --tier 3 --trace-dir DIR`)")
     examples = read_examples(trace_dir, model, label)  # before the model loads: an empty dataset fails at once
     name = model or examples[0].model
     say = (lambda m: None) if quiet or as_json else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -89,12 +87,15 @@ def learn_policy_cmd(
                           "provenance": result.predictor.provenance}, indent=2))
         return
     console = Console()
-    keys = sorted({k for row in result.metrics.values() for k in row})
-    table = Table("method", *keys, title=f"held-out ranking quality ({len(result.heldout_requests)} requests): "
-                  "share of the next steps' top-attended positions kept")
-    for method, row in result.metrics.items():
-        table.add_row(method, *(f"{row[k]:.3f}" for k in keys))
-    console.print(table)
+    if result.metrics is None:
+        console.print(no_heldout_note(holdout, len(examples)))
+    else:
+        keys = sorted({k for row in result.metrics.values() for k in row})
+        table = Table("method", *keys, title=f"held-out ranking quality ({len(result.heldout_requests)} requests): "
+                      "share of the next steps' top-attended positions kept")
+        for method, row in result.metrics.items():
+            table.add_row(method, *(f"{row[k]:.3f}" for k in keys))
+        console.print(table)
     console.print(f"wrote {path} (trained for {result.predictor.model}, {result.predictor.model_fingerprint}, "
                   f"{result.examples} slots from {len(result.train_requests)} requests)")
 
@@ -131,12 +132,23 @@ def _learn_kvzip(trace_dir: Path, out: Path, model: str | None, surrogate: str, 
                           "provenance": provenance}, indent=2))
         return
     console = Console()
-    table = Table("layer", "spearman", "recall@0.5", title=f"held-out fidelity to KVzip+ ({len(result.heldout_requests)} "
-                  "requests): rank correlation, and the share of KVzip+'s kept set at ratio 0.5 kept")
-    for row in result.per_layer:
-        table.add_row(str(row["layer"]), f"{row['spearman']:.3f}", f"{row['recall@0.5']:.3f}")
     mean = provenance["heldout_mean"]
-    table.add_row("mean", f"{mean['spearman']:.3f}", f"{mean['recall@0.5']:.3f}")
-    console.print(table)
+    if mean is None:
+        console.print(no_heldout_note(holdout, len(contexts)))
+    else:
+        table = Table("layer", "spearman", "recall@0.5", title=f"held-out fidelity to KVzip+ "
+                      f"({len(result.heldout_requests)} requests): rank correlation, and the share of KVzip+'s kept "
+                      "set at ratio 0.5 kept")
+        for row in result.per_layer:
+            table.add_row(str(row["layer"]), f"{row['spearman']:.3f}", f"{row['recall@0.5']:.3f}")
+        table.add_row("mean", f"{mean['spearman']:.3f}", f"{mean['recall@0.5']:.3f}")
+        console.print(table)
     console.print(f"wrote {path} ({result.surrogate.kind} surrogate for {result.surrogate.model}, "
                   f"{result.surrogate.model_fingerprint}, {result.tokens} tokens from {len(result.train_requests)} requests)")
+
+
+def no_heldout_note(holdout: float, requests: int) -> str:
+    """What is printed instead of the held-out table when no request was held out."""
+    why = "--holdout 0" if holdout <= 0 else f"a single request ({requests} in the dataset)"
+    return (f"no held-out set ({why}): nothing was measured on requests the fit never saw, and the file stores "
+            "no held-out figure; trace more requests and give --holdout above 0 to measure one")
