@@ -43,6 +43,10 @@ BAD_VALUES = {
     "sparsity.token_pruning": ("sparsity:\n  policy: h2o\n  token_pruning: '8-0.3'\n", 3, "is not layer:fraction"),
     "sparsity.policy_opts": ("sparsity:\n  policy: h2o\n  policy_opts:\n    nope: 1\n", 3, "has no option 'nope'"),
     "sparsity.policy_opts value": ("sparsity:\n  policy: h2o\n  policy_opts:\n    recent_ratio: 7\n", 3, "recent_ratio"),
+    "sparsity.policy_opts type": ("sparsity:\n  policy: kvzap\n  policy_opts:\n    model: 5\n", 3,
+                                  "kvzap: option model must be text (a string), got int 5"),
+    "sparsity.policy_opts infinity": ("sparsity:\n  policy: h2o\n  policy_opts:\n    recent_ratio: .inf\n", 3,
+                                      "h2o: option recent_ratio must be a finite number, got inf"),
     "logging.output_file": ("logging:\n  output_file: {folder}\n", 2, "is a directory"),
 }
 
@@ -76,6 +80,14 @@ def test_tune_refuses_a_policy_that_never_evicts(policy: str):
     result = cli("tune", "--policy", policy, "--metric", "top1_agreement", "--threshold", "0.9", "--prompt", "hi")
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
     assert f"policy {policy!r} never evicts" in result.stderr and "streaming" in result.stderr
+
+
+def test_tune_refuses_a_threshold_policy_for_the_real_reason():
+    result = cli("tune", "--policy", "kvzap", "--policy-opt", "threshold=-3", "--metric", "top1_agreement",
+                 "--threshold", "0.9", "--prompt", "hi")
+    assert result.exit_code == 2 and result.stderr.startswith("error: "), result.output
+    assert "tune searches the budget" in result.stderr and "threshold=-3" in result.stderr
+    assert "not both" not in result.stderr
 
 
 def test_tune_library_refuses_it_too():

@@ -218,6 +218,35 @@ def test_option_errors_name_the_field_and_value(files):
         build_policy("kvzap", 16, {"model": path, "surrogate": "mlp"})
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "Infinity", "nan"])
+def test_an_infinite_threshold_is_refused_like_nan(files, value):
+    with pytest.raises(ConfigError, match=rf"kvzap: threshold must be a finite number .* got {float(value)!r}"):
+        build_policy("kvzap", None, {"model": str(files["linear"]), "threshold": value})
+
+
+@pytest.mark.parametrize("policy,key", [("h2o", "recent_ratio"), ("expected_attention", "epsilon"),
+                                        ("kvzap", "floor")])
+@pytest.mark.parametrize("value", ["inf", "-inf", float("inf")])
+def test_every_float_option_refuses_infinity(policy, key, value):
+    with pytest.raises(ConfigError, match=rf"{policy}: option {key} must be a finite number, got -?inf"):
+        build_policy(policy, 16, {key: value})
+
+
+@pytest.mark.parametrize("budget,options,words", [
+    (16, {"floor": "0.5"}, ["floor=0.5 does nothing under per_head=true (the default)"]),
+    (16, {"floor": "0.5", "share": "true"}, ["floor=0.5 does nothing under per_head=true"]),
+    (16, {"floor": "0.5", "per_head": "false"}, ["floor=0.5 does nothing under share=false"]),
+    (None, {"threshold": "-4", "share": "true"}, ["share=true does nothing in threshold mode (threshold=-4)"]),
+    (None, {"threshold": "-4", "floor": "0.2"}, ["floor=0.2 does nothing in threshold mode"]),
+])
+def test_options_without_effect_in_the_mode_are_refused_naming_it(files, budget, options, words):
+    with pytest.raises(ConfigError) as err:
+        build_policy("kvzap", budget, {"model": str(files["linear"]), **options})
+    assert all(w in str(err.value) for w in words), str(err.value)
+    # where they act, they are taken
+    build_policy("kvzap", 16, {"model": str(files["linear"]), "share": "true", "per_head": "false", "floor": "0.5"})
+
+
 def info(name: str = "tiny-a", fingerprint: str = "sha256:aaaa", layers: int = LAYERS) -> ModelInfo:
     return ModelInfo(name=name, num_layers=layers, kv_heads=KV, head_dim=16, vocab_size=160,
                      fingerprint=lambda: fingerprint)

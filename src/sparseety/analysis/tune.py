@@ -38,14 +38,21 @@ def check_metric(metric: str, threshold: float) -> None:
         raise ConfigError(f"--threshold for {metric} must be >= {low:g}{upper}, got {threshold:g}")
 
 
-def check_tunable(policy: str) -> None:
-    """Refuse a policy that never evicts: every budget keeps the whole cache, so any answer is meaningless."""
+def check_tunable(policy: str, options: dict[str, str] | None = None) -> None:
+    """Refuse a policy that never evicts (every budget keeps the whole cache, so any answer is meaningless), or
+    one that ``options`` (``--policy-opt``) put in a mode without a budget (kvzap's ``threshold=``)."""
     from sparseety.policies.registry import get_policy_class, list_policies
 
-    if not get_policy_class(policy).evicts:
+    cls = get_policy_class(policy)
+    if not cls.evicts:
         evicting = ", ".join(cls.name for cls in list_policies() if cls.evicts)
         raise ConfigError(f"policy {policy!r} never evicts, so its budget changes nothing and no budget can be "
                           f"tuned; tune a policy that evicts: {evicting}")
+    if options and not cls.needs_budget(options):
+        given = ", ".join(f"{k}={v}" for k, v in options.items())
+        raise ConfigError(f"tune searches the budget, but --policy-opt {given} runs {policy} without one (it keeps "
+                          "what scores above the threshold instead); drop threshold= from --policy-opt to tune "
+                          "its budget")
 
 
 def meets(metric: str, value: float, threshold: float) -> bool:

@@ -61,12 +61,13 @@ def tune_cmd(
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
     from sparseety.models import load_model
+    from sparseety.policies import parse_policy_opts
     from sparseety.threads import use_threads
 
     check_metric(metric, threshold)
     if policy is None:
         raise InputError("give --policy (or sparsity.policy in --config): the policy whose budget is tuned")
-    check_tunable(policy)
+    check_tunable(policy, parse_policy_opts(policy_opt))
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, 1 << 20, None, policy_opt,
                        prune_schedule=prune_schedule, prune_opt=prune_opt, attention_topk=attention_topk)
     for flag, value in (("--min-budget", min_budget), ("--max-budget", max_budget), ("--step", step)):

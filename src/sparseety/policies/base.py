@@ -353,6 +353,13 @@ def select_evict_by_head(scores: torch.Tensor, positions: torch.Tensor, heads: t
     return chosen[live[chosen]]
 
 
+def check_finite(policy: str, field: str, value: Any, what: str = "a finite number") -> None:
+    """Raise :class:`ConfigError` when ``value`` is a float infinity or NaN (``inf`` is no more a setting than
+    ``nan``, and neither is JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{policy}: {field} must be {what}, got {value!r}")
+
+
 def check_positive_int(policy: str, field: str, value: Any, minimum: int = 1) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an int ``>= minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

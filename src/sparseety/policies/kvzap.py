@@ -8,6 +8,7 @@ kvzip`` trains it). No extra pass: a token is scored once, when it is written, s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -86,8 +87,10 @@ class KVzapPolicy(Policy):
             except ValueError:
                 raise ConfigError(f"kvzap: threshold must be a number (a log KVzip+ score, e.g. -4), "
                                   f"got {self.threshold!r}") from None
-        if self.threshold is not None and (not isinstance(self.threshold, (int, float)) or self.threshold != self.threshold):
-            raise ConfigError(f"kvzap: threshold must be a number, got {self.threshold!r}")
+        if self.threshold is not None and (not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool)
+                                           or not math.isfinite(self.threshold)):
+            raise ConfigError(f"kvzap: threshold must be a finite number (a log KVzip+ score, e.g. -4), "
+                              f"got {self.threshold!r}")
         check_positive_int(self.name, "max_kept", self.max_kept, minimum=0)
         check_positive_int(self.name, "sinks", self.sinks, minimum=0)
         check_positive_int(self.name, "window", self.window, minimum=0)
@@ -102,6 +105,15 @@ class KVzapPolicy(Policy):
         if isinstance(given, bool) or not 0.0 <= self.floor <= 1.0:
             raise ConfigError(f"kvzap: floor must be a number from 0 to 1 (the share of its budget every layer "
                               f"keeps under share=true per_head=false), got {given!r}")
+        if self.threshold is not None and (self.share or self.floor):
+            given = " and ".join(f"{k}={v}" for k, v in (("share", "true"), ("floor", self.floor))
+                                 if (k == "share" and self.share) or (k == "floor" and self.floor))
+            raise ConfigError(f"kvzap: {given} does nothing in threshold mode (threshold={self.threshold:g}): share "
+                              "and floor divide a budget; drop them, or give a budget instead of threshold=")
+        if self.floor and (self.per_head or not self.share):
+            mode = "per_head=true (the default)" if self.per_head else "share=false"
+            raise ConfigError(f"kvzap: floor={self.floor:g} does nothing under {mode}: floor is the share of its "
+                              "budget every layer keeps when the layers share theirs (share=true per_head=false)")
         if self.threshold is not None and self.budget is not None:
             raise ConfigError("kvzap: give either threshold= or a budget (--budget/--ratio), not both; cap a "
                               "threshold run with max_kept=N")

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import BudgetTooSmall, Policy
+from sparseety.policies.base import BudgetTooSmall, Policy, check_finite
 from sparseety.policies.compactor import CompactorPolicy
 from sparseety.policies.dense import DensePolicy
 from sparseety.policies.expected_attention import ExpectedAttentionPolicy
@@ -54,18 +54,32 @@ def policy_options(cls: type[Policy]) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.name != "budget"}
 
 
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text (a string)"}
+
+
 def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
-    if not isinstance(raw, str):
-        return raw
+    """``raw`` as the option's type (the type of its default): a string is parsed; a value that is already
+    typed (a run file's, a request's) must be of that type. A float option is refused as NaN or infinite."""
     kind = type(default)
-    try:
-        if kind is bool:
-            if raw.lower() not in {"true", "false", "1", "0"}:
-                raise ValueError(raw)
-            return raw.lower() in {"true", "1"}
-        return kind(raw) if default is not None else raw
-    except ValueError:
-        raise ConfigError(f"{policy}: option {key}={raw!r} is not a valid {kind.__name__}") from None
+    if not isinstance(raw, str):
+        fits = (default is None or (kind is bool and isinstance(raw, bool))
+                or (kind is int and isinstance(raw, int) and not isinstance(raw, bool))
+                or (kind is float and isinstance(raw, (int, float)) and not isinstance(raw, bool)))
+        if not fits:
+            raise ConfigError(f"{policy}: option {key} must be {_KIND_WORDS.get(kind, kind.__name__)}, got "
+                              f"{type(raw).__name__} {raw!r}")
+        value = raw
+    else:
+        try:
+            if kind is bool:
+                if raw.lower() not in {"true", "false", "1", "0"}:
+                    raise ValueError(raw)
+                return raw.lower() in {"true", "1"}
+            value = kind(raw) if default is not None else raw
+        except ValueError:
+            raise ConfigError(f"{policy}: option {key}={raw!r} is not a valid {kind.__name__}") from None
+    check_finite(policy, f"option {key}", value)
+    return value
 
 
 def parse_policy_opts(items: list[str], flag: str = "--policy-opt") -> dict[str, str]:
