@@ -95,3 +95,33 @@ def test_a_killed_faithfulness_bench_resumes(args: list[str], tmp_path: Path):
     assert done["complete"] is True and [r["case"] for r in done["results"]] == [0, 1, 2]
     assert done["results"][: len(kept)] == kept
     assert set(done["summary"]) == set(METHODS) and (out / "faithfulness.png").is_file()
+
+
+def test_a_changed_passage_is_never_reused_on_resume(args: list[str], tmp_path: Path):
+    """The resume key holds each --text file's contents: after a passage changes, --resume is refused (the
+    complete document is left as it was), and a result written without the contents is refused clearly."""
+    texts = [Path(a) for a in args[args.index("--text") + 1 :: 2] if a.endswith(".txt")]
+    copies = []
+    for path in texts:
+        copies.append(tmp_path / path.name)
+        copies[-1].write_text(path.read_text())
+    own = [a for a in args if not a.endswith(".txt") and a != "--text"]
+    own = own[:own.index("--tokens")] + [x for c in copies for x in ("--text", str(c))] + own[own.index("--tokens"):]
+    out = tmp_path / "bench"
+    first = CliRunner().invoke(app, [*own, "--out", str(out), "--quiet"])
+    assert first.exit_code == 0, first.output
+    before = (out / "faithfulness.json").read_text()
+    document = json.loads(before)
+    assert document["complete"] is True and set(document["run"]["inputs"]) == {str(c) for c in copies}
+    again = CliRunner().invoke(app, [*own, "--out", str(out), "--resume", "--quiet"])
+    assert again.exit_code == 0, again.output  # the same contents resume (nothing to redo)
+    copies[0].write_text("\n".join(" ".join(f"t{9 + (j * w) % 140}" for w in range(6)) for j in range(12)))
+    changed = CliRunner().invoke(app, [*own, "--out", str(out), "--resume", "--quiet"])
+    assert changed.exit_code == 2, changed.output
+    assert changed.stderr.startswith("error: ") and f"the contents of {copies[0]} changed" in changed.stderr
+    assert json.loads((out / "faithfulness.json").read_text())["results"] == document["results"]
+    old = {**document, "run": {k: v for k, v in document["run"].items() if k != "inputs"}}
+    (out / "faithfulness.json").write_text(json.dumps(old))
+    copies[0].write_text(texts[0].read_text())
+    legacy = CliRunner().invoke(app, [*own, "--out", str(out), "--resume", "--quiet"])
+    assert legacy.exit_code == 2 and "does not record its input files' contents" in legacy.stderr, legacy.output

@@ -48,3 +48,47 @@ def test_a_killed_bench_resumes_without_redoing_cases(args: list[str], tmp_path:
     assert len({(r["policy"], r["ratio"], r["length"]) for r in done["results"]}) == TOTAL
     assert (out / "passkey.png").is_file()
     assert CliRunner().invoke(app, [*args[:-1], "x", "--out", str(out)]).exit_code == 2
+
+
+def test_a_changed_policy_file_is_never_reused_on_resume(args: list[str], tmp_path: Path):
+    """``--policy-opt kvzap:model=FILE``: the file's contents are in the resume key, so a retrained file
+    (same path) is refused on --resume instead of mixing its results with the old file's."""
+    import torch
+
+    from sparseety.models.fingerprint import model_fingerprint
+    from sparseety.policies.kvzap_model import Surrogate
+
+    fingerprint = model_fingerprint(build_model("llama"))
+
+    def surrogate(seed: int) -> Surrogate:
+        g = torch.Generator().manual_seed(seed)
+        return Surrogate(w1=torch.zeros(4, 64, 0), b1=torch.zeros(4, 0), w2=torch.randn(4, 64, 2, generator=g),
+                         b2=torch.randn(4, 2, generator=g), model=args[args.index("--model") + 1],
+                         model_fingerprint=fingerprint)
+
+    path = surrogate(0).save(tmp_path / "kvzap.safetensors")
+    run = [*args[: args.index("--policies")], "--policies", "kvzap", "--ratios", "0.5", "--lengths", "150",
+           "--depths", "0.5", "--max-new-tokens", "2", "--policy-opt", f"kvzap:model={path}", "--quiet",
+           "--out", str(tmp_path / "bench")]
+    first = CliRunner().invoke(app, run)
+    assert first.exit_code == 0, first.output
+    document = json.loads((tmp_path / "bench" / "passkey.json").read_text())
+    assert document["complete"] is True and list(document["run"]["inputs"]) == [str(path)]
+    surrogate(1).save(path)
+    again = CliRunner().invoke(app, [*run, "--resume"])
+    assert again.exit_code == 2 and f"the contents of {path} changed" in again.stderr, again.output
+
+
+def test_previous_run_compares_the_recorded_contents(tmp_path: Path):
+    from sparseety.bench.resume import input_contents, previous_run
+    from sparseety.errors import InputError
+
+    text = tmp_path / "a.txt"
+    text.write_text("one")
+    run = {"texts": [str(text)], "inputs": input_contents([("--text", text)])}
+    target = tmp_path / "r.json"
+    target.write_text(json.dumps({"kind": "k", "complete": True, "run": run, "results": []}))
+    assert previous_run(target, "k", run, resume=True) is not None
+    text.write_text("two")
+    with pytest.raises(InputError, match=f"the contents of {text} changed"):
+        previous_run(target, "k", {"texts": [str(text)], "inputs": input_contents([("--text", text)])}, resume=True)

@@ -50,7 +50,8 @@ def passkey_cmd(
     from sparseety.bench.passkey_plot import plot_passkey
     from sparseety.bench.passkey_run import plan_cases
     from sparseety.cli.bench_common import (check_policies, finished_results, parse_lengths, parse_ratios,
-                                            policy_options_by_name, saving_each, write_complete)
+                                            policy_file_inputs, policy_options_by_name, saving_each,
+                                            write_complete)
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
     from sparseety.threads import use_threads
@@ -68,6 +69,9 @@ def passkey_cmd(
                 "prune_opt": list(prune_opt), "attention_topk": attention_topk}
     if policy_opt:  # only when given, so runs started before the flag existed still resume
         settings["policy_opt"] = list(policy_opt)
+    inputs = policy_file_inputs(options)
+    if inputs:  # likewise: a run without policy files keeps the settings it always had
+        settings["inputs"] = inputs
     target = out / "passkey.json"
     finished = finished_results(target, "passkey", settings, PasskeyResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)

@@ -44,6 +44,15 @@ def policy_options_by_name(items: Sequence[str], names: Sequence[str]) -> dict[s
     return out
 
 
+def policy_file_inputs(options: dict[str, dict[str, str]]) -> dict[str, str]:
+    """``{path: sha256}`` of the files the policies read (``model=FILE`` of ``learned`` and ``kvzap``), for the
+    resume key: a file whose contents changed is never reused (see :mod:`sparseety.bench.resume`)."""
+    from sparseety.bench.resume import input_contents
+
+    return input_contents((f"--policy-opt {name}:model", Path(opts["model"])) for name, opts in options.items()
+                          if opts.get("model"))
+
+
 def parse_ratios(raw: str) -> list[float]:
     from sparseety.ratio import check_ratio
 

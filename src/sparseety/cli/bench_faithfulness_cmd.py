@@ -46,7 +46,7 @@ def faithfulness_cmd(
         run_faithfulness,
     )
     from sparseety.bench.faithfulness_prompts import default_texts, make_prompts
-    from sparseety.bench.resume import write_document
+    from sparseety.bench.resume import input_contents, write_document
     from sparseety.cli.bench_common import finished_results, saving_each, write_complete
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
@@ -58,7 +58,7 @@ def faithfulness_cmd(
     if not files:
         raise ConfigError("no passages: give --text FILE (no licence texts under /usr/share/common-licenses)")
     settings = {"model": model, "texts": [str(f) for f in files], "tokens": tokens, "max_new_tokens": max_new_tokens,
-                "seed": seed}
+                "seed": seed, "inputs": input_contents(("--text", f) for f in files)}  # a changed passage is never reused
     if importance_weights is not None:
         read_head_weights(importance_weights)  # a damaged file is refused before the model loads
     target = out / "faithfulness.json"

@@ -48,8 +48,8 @@ def ruler_cmd(
     from sparseety.bench.ruler_run import RulerReport, RulerResult, run_ruler
     from sparseety.bench.longdoc import plan_runs
     from sparseety.bench.passkey import tokenizer_counter
-    from sparseety.cli.bench_common import (check_policies, finished_results, parse_ratios, policy_options_by_name,
-                                            saving_each, write_complete)
+    from sparseety.cli.bench_common import (check_policies, finished_results, parse_ratios, policy_file_inputs,
+                                            policy_options_by_name, saving_each, write_complete)
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
@@ -72,6 +72,9 @@ def ruler_cmd(
     settings = {"model": model, "tasks": task_list, "policies": names, "ratios": ratio_list, "lengths": length_list,
                 "cases": cases, "seed": seed, "max_new_tokens": max_new_tokens, "chat": chat,
                 "policy_opt": list(policy_opt)}
+    inputs = policy_file_inputs(options)
+    if inputs:  # a changed policy file is never reused; a run without one keeps the settings it always had
+        settings["inputs"] = inputs
     target = out / "ruler.json"
     finished = finished_results(target, "ruler", settings, RulerResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)

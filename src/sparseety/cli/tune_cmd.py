@@ -56,7 +56,7 @@ def tune_cmd(
 ) -> None:
     """Bisect the budget: evaluate the policy at a few budgets and print the curve and the smallest one that meets the bar."""
     from sparseety.analysis.tune import TunePoint, TuneResult, check_metric, check_tunable, tune_fidelity, tune_passkey
-    from sparseety.bench.resume import previous_run, write_document
+    from sparseety.bench.resume import input_contents, previous_run, write_document
     from sparseety.cli.progress import Steps, steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
@@ -93,6 +93,10 @@ def tune_cmd(
                 "lengths": lengths if metric == "passkey" else None, "depths": depths if metric == "passkey" else None,
                 "prompt": prompt, "prompt_file": str(prompt_file) if prompt_file else None,
                 "context_file": str(context_file) if context_file else None, "question": question}
+    files = [(flag, path) for flag, path in (("--prompt-file", prompt_file), ("--context-file", context_file),
+                                             ("--policy-opt model", inputs.options.get("model"))) if path]
+    if files:  # a changed file is never reused on --resume; a tune without files keeps the settings it always had
+        settings["inputs"] = input_contents((flag, Path(path)) for flag, path in files)
     before = previous_run(out, "tune", settings, resume=resume) if out is not None else None
     known = {int(p["budget"]): float(p["value"]) for p in before["curve"]} if before else None
     lm, tokenizer = load_model(model)

