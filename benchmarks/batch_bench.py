@@ -40,7 +40,7 @@ from sparseety.engine.request import GenerationOptions, RequestStatus
 from sparseety.models import load_model
 from sparseety.policies import build_policy
 
-RESULTS = Path(__file__).resolve().parent / "results" / "batch_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "batch" / "batch.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TARGET_BATCH = 3.5
 TARGET_SPARSE_DECODE = 2.0

@@ -44,14 +44,14 @@ Usage::
     .venv/bin/python benchmarks/decode_bench.py            # full run, ~15 min (1 thread, CPU clock)
     .venv/bin/python benchmarks/decode_bench.py --quick    # smoke run, < 2 min
     .venv/bin/python benchmarks/decode_bench.py --policies keydiff,expected_attention,compactor --no-plain-full \
-        --output benchmarks/results/decode_bench_query_agnostic.json   # issue 15's policies beside streaming
+        --output benchmarks/results/decode/query_agnostic.json   # issue 15's policies beside streaming
     .venv/bin/python benchmarks/decode_bench.py --profile h2o   # cProfile + torch.profiler of one run's decode
     .venv/bin/python benchmarks/decode_bench.py --layers-cost   # extraction at --layers all vs auto, ~2 min
 
 ``--layers-cost`` (issue 8, layer selection) measures only what online extraction costs: ``streaming``
 at ``--budget`` on ``--context`` tokens (defaults 2048 and 512 in this mode), tier 0 against tier 2 with
 ``--layers all`` (every layer computes and records its attention row each step) and ``--layers auto``
-(every layer in prefill, then only the chosen one), interleaved ABBA; saved to ``decode_bench_layers.json``.
+(every layer in prefill, then only the chosen one), interleaved ABBA; saved to ``results/decode/layers_cost.json``.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.models import load_model
 from sparseety.policies import build_policy
 
-RESULTS = Path(__file__).resolve().parent / "results" / "decode_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "decode" / "decode.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 POLICIES = ("streaming", "h2o", "snapkv")
 QUERY_AGNOSTIC = ("keydiff", "expected_attention", "compactor")  #: issue 15: measured against streaming
@@ -563,7 +563,7 @@ def main() -> None:
         args.context, args.budget = args.context or 2048, args.budget or 512
         args.new_tokens = args.new_tokens or 32
         if args.output == RESULTS:
-            args.output = RESULTS.with_name("decode_bench_layers.json")
+            args.output = RESULTS.with_name("layers_cost.json")
     quick = args.quick
     args.policies = list(dict.fromkeys([TRACE_POLICY, *args.policies]))  # the tracing figures need streaming
     args.context = args.context or (2048 if quick else 7000)

@@ -1,7 +1,7 @@
 """Extractor speed: a prefill attention tensor and a decode step, against a naive loop and bare topk.
 
 Run: ``.venv/bin/python benchmarks/extract_bench.py``; prints the figures and saves them to
-``benchmarks/results/extract_bench.json``.
+``benchmarks/results/extract/extract.json``.
 
 - extractor: :func:`sparseety.extract.extract` with the default config (mean over heads, sum over
   query rows, max-normalized, top 16, min_score 0.05), records built.
@@ -36,7 +36,7 @@ from sparseety.config import ExtractionConfig
 from sparseety.extract import extract
 
 CONFIG = ExtractionConfig()
-RESULTS = Path(__file__).parent / "results" / "extract_bench.json"
+RESULTS = Path(__file__).parent / "results" / "extract" / "extract.json"
 ROUNDS = 7
 
 

@@ -13,7 +13,7 @@ Usage::
     .venv/bin/python benchmarks/gemma_bench.py                  # ~3,000-token prompt, 64 new tokens
     .venv/bin/python benchmarks/gemma_bench.py --context 800 --new-tokens 8    # smoke run
 
-Saves ``benchmarks/results/gemma_bench.json``.
+Saves ``benchmarks/results/gemma/gemma.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sparseety.engine import EncodedInput, SparseEngine
 from sparseety.models import GEMMA_MODEL, load_model
 from sparseety.policies import build_policy
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gemma_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "gemma" / "gemma.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 

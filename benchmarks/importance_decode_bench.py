@@ -4,7 +4,7 @@
 
 A plain prompt of GPL-3 text, dense policy, tier 2, one torch thread; CPU time of the decode forwards
 (``decode_s`` is wall time, so each run's process CPU time is taken around the whole generate, minus
-a prefill-only run's). Writes benchmarks/results/importance_decode.json.
+a prefill-only run's). Writes benchmarks/results/importance_decode/importance_decode.json.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     result = {"tokens": args.tokens, "new": args.new, "rounds": args.rounds, "tokens_per_cpu_s": medians,
               "value_over_attention": medians["value"] / medians["attention"],
               "output_over_attention": medians["output"] / medians["attention"], "raw": rates}
-    out = Path(__file__).parent / "results" / "importance_decode.json"
+    out = Path(__file__).parent / "results" / "importance_decode" / "importance_decode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -6,7 +6,7 @@ Usage (from the repository root)::
         [--lengths 1000,1500] [--depths 0.1,0.5,0.9] [--seeds 0]            # the passkey cases
         [--ruler-lengths 1000,2000] [--ruler-cases 1] [--ruler-seed 0]      # the RULER-style cases
         [--ratios 0.25,0.5,0.75] [--policies all] [--max-new-tokens 14] [--threads 1]
-        [--out benchmarks/results/kvpress_compare.json] [--resume]
+        [--out benchmarks/results/kvpress_compare/kvpress_compare.json] [--resume]
 
 kvpress needs ``transformers<5.3``, so it never enters SparSEEty's environment: this script creates
 ``benchmarks/.kvpress-venv`` (``python -m venv``; torch 2.13.0 CPU from the local wheel, then ``kvpress``
@@ -61,7 +61,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".kvpress-venv"
-RESULTS = ROOT / "results" / "kvpress_compare.json"
+RESULTS = ROOT / "results" / "kvpress_compare" / "kvpress_compare.json"
 LEARNED_FILE = ROOT / "results" / "learned_policy" / "policy.safetensors"
 PAIRS = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress", "tova": "TOVAPress",
          "h2o": "ObservedAttentionPress", "keydiff": "KeyDiffPress", "expected_attention": "ExpectedAttentionPress",
@@ -71,7 +71,7 @@ OURS_ONLY = ("pyramid", "learned")
 CALIBRATED = {"calibrated": "thresholds", "calibrated_layers": "layer_thresholds"}
 #: kvpress's KVzap surrogate, trained here by ``benchmarks/kvpress_kvzap_train.py`` (its hub weights are out of
 #: reach); that script's summary also holds both sides' DMS thresholds per ratio.
-KVZAP_DIR = ROOT / "results" / "kvzap" / "kvpress_model"
+KVZAP_DIR = ROOT / "results" / "kvpress_kvzap_train"
 #: Named variants of a policy with other options, run and reported under their own name beside its press.
 VARIANTS = {"kvzip_chunk": ("kvzip", {"attend": "chunk"}),
             "h2o_va": ("h2o", {"value_aware": True}), "tova_va": ("tova", {"value_aware": True}),

@@ -4,7 +4,7 @@ surrogate was trained on, and calibrate both sides' DMS thresholds.
 Usage (from the repository root, after ``scripts/train_shipped_policies.py`` built the training traces)::
 
     .venv/bin/python benchmarks/kvpress_kvzap_train.py [--traces build/shipped_policies/smollm2-135m]
-        [--requests 26] [--out benchmarks/results/kvzap/kvpress_model] [--surrogates linear,mlp] [--n-tokens 500]
+        [--requests 26] [--out benchmarks/results/kvpress_kvzap_train] [--surrogates linear,mlp] [--n-tokens 500]
         [--threads 1]
 
 Same texts, same split. The training traces' prompts (``--requests 26``: the first 26, the shipped
@@ -47,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 THIRD_PARTY = ROOT / "third_party"
-OUT = ROOT / "results" / "kvzap" / "kvpress_model"
+OUT = ROOT / "results" / "kvpress_kvzap_train"
 TRACES = ROOT.parent / "build" / "shipped_policies" / "smollm2-135m"
 RATIOS = (0.25, 0.5, 0.75, 0.875)
 

@@ -42,7 +42,7 @@ from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.models import load_model
 from sparseety.policies import build_policy
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kvzip_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "kvzip" / "kvzip.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TARGET_PREFILL = 2.2
 TARGET_DECODE = 0.9

@@ -37,7 +37,7 @@ from sparseety.engine.context import activate
 from sparseety.models import load_model
 from sparseety.policies import build_policy
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kvzip_decode_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "kvzip_decode" / "kvzip_decode.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TARGET_DECODE = 0.9
 RUNS = {"streaming": ("streaming", None), "kvzip": ("kvzip", {"per_head": "true"}),

@@ -18,7 +18,7 @@ Usage (from the repository root)::
    (haystacks of ``/usr/share/common-licenses``, the needle "The pass key is N. Remember it."), for
    ``dense``, ``learned``, ``h2o`` and ``tova`` at ``--ratio``, the context compressed, the question not.
 
-Saves ``benchmarks/results/learned_policy.json`` (``learned_policy<TAG>.json`` with ``--tag``). One torch thread (see DESIGN.md).
+Saves ``benchmarks/results/learned_policy/learned_policy.json`` (``learned_policy<TAG>.json`` with ``--tag``). One torch thread (see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "benchmarks" / "results"
-WORK = OUT / "learned_policy"
+OUT = ROOT / "benchmarks" / "results" / "learned_policy"
+WORK = OUT
 DOC_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
                "datetime", "decimal", "email.message", "fractions", "functools", "heapq", "http.client",
                "inspect", "ipaddress", "itertools", "json", "logging", "pathlib", "pickle", "queue", "random",

@@ -10,7 +10,7 @@ Target (issue 2): the cached load takes a few seconds, not the ~35 s of a GGUF d
 
 Usage::
 
-    .venv/bin/python benchmarks/load_bench.py [--model smollm2-135m] [--output benchmarks/results/load_bench.json]
+    .venv/bin/python benchmarks/load_bench.py [--model smollm2-135m] [--output benchmarks/results/load/load.json]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "load_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "load" / "load.json"
 CACHED_TARGET_S = 5.0  # "a few seconds"
 
 # Runs inside the subprocess: time the imports, then one load_model call, and print one JSON line.

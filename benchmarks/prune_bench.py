@@ -37,7 +37,7 @@ from sparseety.models import load_model
 from sparseety.policies import build_policy
 from sparseety.policies.prune import PruneSchedule, parse_prune_schedule
 
-RESULTS = Path(__file__).resolve().parent / "results" / "prune_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "prune" / "prune.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TARGET_TTFT_SPEEDUP = 1.4
 

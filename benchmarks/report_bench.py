@@ -31,7 +31,7 @@ from sparseety.report.synthetic import synthetic_trace
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
-RESULTS = Path(__file__).parent / "results" / "report_bench.json"
+RESULTS = Path(__file__).parent / "results" / "report" / "report.json"
 TARGET_MS = 2000.0
 
 

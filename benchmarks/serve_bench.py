@@ -24,7 +24,7 @@ one at a time, answers identical; issue 7, 5% sampling at least 0.97 of off, 100
 Usage::
 
     .venv/bin/python benchmarks/serve_bench.py [--rounds 4] [--requests 16] [--concurrency 8]
-        [--max-concurrency 8] [--max-tokens 32] [--threads 1] [--clock cpu|wall] [--output benchmarks/results/serve_bench.json]
+        [--max-concurrency 8] [--max-tokens 32] [--threads 1] [--clock cpu|wall] [--output benchmarks/results/serve/serve.json]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results" / "serve_bench.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "serve" / "serve.json"
 TARGETS = {"5%": 0.97, "100%": 0.85}
 TARGET_BATCHING = 3.0
 TEXT = Path("/usr/share/common-licenses/GPL-3")

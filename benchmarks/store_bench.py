@@ -2,7 +2,7 @@
 count over 1M ``token_events`` rows.
 
 Run: ``.venv/bin/python benchmarks/store_bench.py`` (about a minute; ``--quick`` for a smoke run);
-prints the figures and saves them to ``benchmarks/results/store_bench.json``.
+prints the figures and saves them to ``benchmarks/results/store/store.json``.
 
 - write: synthetic tier-2 requests shaped like the default model at a small budget (200-token prompt,
   16 new tokens, 30 layers, 3 KV heads, one eviction per layer, head and step, 16 important tokens per
@@ -38,7 +38,7 @@ import numpy as np
 from sparseety.store import TraceWriter, connect
 from sparseety.store.synthetic import synthetic_result
 
-RESULTS = Path(__file__).parent / "results" / "store_bench.json"
+RESULTS = Path(__file__).parent / "results" / "store" / "store.json"
 SHAPE = {"tier": 2, "prompt_len": 200, "new_tokens": 16, "layers": 30, "kv_heads": 3, "events_per_step": 1, "top_k": 16}
 TARGET_P99_US = 50.0
 

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results" / "vllm_compare.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "vllm_compare" / "vllm_compare.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 VENV = Path(os.environ.get("SPARSEETY_VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL = "smollm2-135m"

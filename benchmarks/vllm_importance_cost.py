@@ -6,7 +6,7 @@ and off for that request (``"off"``), one at a time, each with a prompt of its o
 no prefix-cache hits), greedy, ``--max-tokens`` tokens with EOS ignored. The figure per context is the
 median of vLLM's own decode time per token (``decode_s / (outputs - 1)``, from the stored record), on
 against off, and their ratio; prefill time likewise. Prints a table and saves
-``benchmarks/results/vllm_importance_cost.json``.
+``benchmarks/results/vllm_importance_cost/vllm_importance_cost.json``.
 
     .venv/bin/python benchmarks/vllm_importance_cost.py [--contexts 1024 4096] [--repeats 3] [--max-tokens 48]
 """
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_importance_cost.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_importance_cost" / "vllm_importance_cost.json")
     args = parser.parse_args()
 
     import vllm_server

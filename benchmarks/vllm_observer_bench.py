@@ -9,7 +9,7 @@ several concurrent clients and counts generated tokens per wall-clock second. Th
 the medians (target >= 0.97).
 
     .venv/bin/python benchmarks/vllm_observer_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
-        [--out benchmarks/results/vllm_observer_bench.json]
+        [--out benchmarks/results/vllm_observer/vllm_observer.json]
 
 With the worker's importance capture on (tier 2, ``SPARSEETY_IMPORTANCE`` default ``value``), the sampled
 requests also get their important tokens: the issue's "tier 1 for all plus importance for 5% sampled".
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sample-rate", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_observer_bench.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_observer" / "vllm_observer.json")
     args = parser.parse_args()
     if not VLLM.is_file():
         raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")

@@ -13,11 +13,11 @@ precision) and once with the policy's seeded draw (only the kept sets are expect
 
 Reported per press: the largest relative score difference (protected slots left out: kvpress pads its
 sinks with the maximum score, SparSEEty with ``+inf``) and the overlap of the kept sets at ratio 0.5
-per KV head. Results: ``benchmarks/results/kvpress_scores_check.json``.
+per KV head. Results: ``benchmarks/results/studies/kvpress_scores_check.json``.
 
 Usage::
 
-    .venv/bin/python benchmarks/kvpress_scores_check.py      # ~20 s once the side environment exists
+    .venv/bin/python benchmarks/studies/kvpress_scores_check.py      # ~20 s once the side environment exists
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 VENV_PYTHON = ROOT / ".kvpress-venv" / "bin" / "python"
-RESULTS = ROOT / "results" / "kvpress_scores_check.json"
+RESULTS = ROOT / "results" / "studies" / "kvpress_scores_check.json"
 N, RATIO = 600, 0.5
 
 
@@ -139,7 +139,7 @@ def main() -> None:
         path = str(Path(tmp) / "kvpress_scores.pt")
         subprocess.run([str(VENV_PYTHON), __file__, "--dump", path], check=True, cwd=tmp)
         result = compare(path)
-    result["command"] = "python benchmarks/kvpress_scores_check.py"
+    result["command"] = "python benchmarks/studies/kvpress_scores_check.py"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     for name, figures in result["presses"].items():

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/kvzap_levels.py [--cases 6] [--ratio 0.5] [--out benchmarks/results/kvzap/levels.json]
+    .venv/bin/python benchmarks/studies/kvzap_levels.py [--cases 6] [--ratio 0.5] [--out benchmarks/results/studies/kvzap_levels.json]
 
 Three kinds of context, ``--cases`` each, none of them trained on:
 
@@ -36,8 +36,8 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-OUT = ROOT / "results" / "kvzap" / "levels.json"
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
+OUT = ROOT / "results" / "studies" / "kvzap_levels.json"
 ALLOCATIONS = ("uniform", "within_layer", "across_layers")
 sys.path.insert(0, str(ROOT))  # the benchmark scripts whose helpers this one uses
 
@@ -118,7 +118,7 @@ def main() -> None:
     from sparseety.models import DEFAULT_MODEL
 
     engine, tokenizer, path, surrogate = shipped_surrogate()
-    result: dict[str, object] = {"command": "python benchmarks/kvzap_levels.py " + " ".join(sys.argv[1:]),
+    result: dict[str, object] = {"command": "python benchmarks/studies/kvzap_levels.py " + " ".join(sys.argv[1:]),
                                  "surrogate": path.name, "ratio": args.ratio, "kinds": {}}
     for kind, items in contexts(tokenizer, args.cases).items():
         rows = []

@@ -2,8 +2,8 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/kvzap_needles.py [--tasks niah_single,niah_multivalue] [--lengths 1000,2000]
-        [--cases 3] [--seed 0] [--ratio 0.5] [--out benchmarks/results/kvzap/needles.json]
+    .venv/bin/python benchmarks/studies/kvzap_needles.py [--tasks niah_single,niah_multivalue] [--lengths 1000,2000]
+        [--cases 3] [--seed 0] [--ratio 0.5] [--out benchmarks/results/studies/kvzap_needles.json]
 
 For each case (the cases of ``benchmarks/kvpress_compare.py --ruler-cases 3``), one dense teacher-forced
 pass (:func:`sparseety.analysis.learn_kvzap.capture`, KVzip's reconstruction prompt) gives every layer's
@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "results" / "kvzap" / "needles.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "studies" / "kvzap_needles.json"
 
 
 def value_spans(tokenizer, ids: list[int], values) -> list[list[int]]:
@@ -110,7 +110,7 @@ def main() -> None:
     layers = len(cases[0]["true"])
     mean = {side: [round(sum(c[side][layer] for c in cases) / len(cases), 3) for layer in range(layers)]
             for side in ("predicted", "true")}
-    doc = {"command": "python benchmarks/kvzap_needles.py " + " ".join(
+    doc = {"command": "python benchmarks/studies/kvzap_needles.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
            "surrogate": path.name, "ratio": args.ratio, "cases": cases, "per_layer_mean": mean,
            "mean": {side: round(sum(v) / layers, 3) for side, v in mean.items()}}

@@ -2,8 +2,8 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/kvzap_training_size.py [--traces build/shipped_policies/smollm2-135m]
-        [--cases 128] [--held-out 16] [--sizes 20,32,44,56,68,80,92,102] [--out benchmarks/results/kvzap/training_size.json]
+    .venv/bin/python benchmarks/studies/kvzap_training_size.py [--traces build/shipped_policies/smollm2-135m]
+        [--cases 128] [--held-out 16] [--sizes 20,32,44,56,68,80,92,102] [--out benchmarks/results/studies/kvzap_training_size.json]
 
 The shipped SmolLM2 surrogate was fitted on 20 prompts: the training part of the first 26 traced prompts
 (``scripts/train_shipped_policies.py --cases 26``, split as ``learn-policy`` splits). This script reads
@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 TRACES = ROOT.parent / "build" / "shipped_policies" / "smollm2-135m"
-OUT = ROOT / "results" / "kvzap" / "training_size.json"
+OUT = ROOT / "results" / "studies" / "kvzap_training_size.json"
 SHIPPED_CASES = 26
 
 

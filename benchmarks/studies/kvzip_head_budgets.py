@@ -13,10 +13,10 @@ layout; the evicting per-layer choice holds the budget itself.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/kvzip_head_budgets.py [--lengths 1000,1500,2000] [--depths 0.1,0.5,0.9]
+    .venv/bin/python benchmarks/studies/kvzip_head_budgets.py [--lengths 1000,1500,2000] [--depths 0.1,0.5,0.9]
                                                       [--seed 0] [--ratios 0.5,0.75]
 
-Saves ``benchmarks/results/kvzip_head_budgets.json``. One torch thread.
+Saves ``benchmarks/results/studies/kvzip_head_budgets.json``. One torch thread.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kvzip_head_budgets.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "studies" / "kvzip_head_budgets.json"
 
 
 def head_counts(scores: dict[int, torch.Tensor], budgets: dict[int, int]) -> torch.Tensor:
@@ -83,7 +83,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     summary = {str(r): {key: round(statistics.mean(x[key] for x in rows if x["ratio"] == r), 4)
                         for key in ("budget_fraction", "padded_fraction")} for r in dict.fromkeys(x["ratio"] for x in rows)}
-    args.out.write_text(json.dumps({"model": DEFAULT_MODEL, "command": "python benchmarks/kvzip_head_budgets.py "
+    args.out.write_text(json.dumps({"model": DEFAULT_MODEL, "command": "python benchmarks/studies/kvzip_head_budgets.py "
                                     f"--lengths {args.lengths} --depths {args.depths} --seed {args.seed} "
                                     f"--ratios {args.ratios}", "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))

@@ -2,9 +2,9 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/value_aware_bench.py [--policies h2o,tova,snapkv] [--ratio 0.5]
+    .venv/bin/python benchmarks/studies/value_aware_bench.py [--policies h2o,tova,snapkv] [--ratio 0.5]
         [--lengths 1000] [--depths 0.1,0.5,0.9] [--tasks niah_single,niah_multikey,niah_multivalue,vt,cwe]
-        [--ruler-cases 1] [--seed 0] [--threads 1] [--out benchmarks/results/value_aware.json] [--resume]
+        [--ruler-cases 1] [--seed 0] [--threads 1] [--out benchmarks/results/studies/value_aware.json] [--resume]
 
 The cases, encoding, protocol and scoring are ``sparseety bench passkey``'s and ``sparseety bench ruler``'s
 (:func:`sparseety.bench.passkey_run.answer_case`, :func:`sparseety.bench.ruler_run.answer_ruler_case`):
@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results" / "value_aware.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "studies" / "value_aware.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "resume"}
-    command = " ".join(["benchmarks/value_aware_bench.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["benchmarks/studies/value_aware_bench.py", *(argv if argv is not None else sys.argv[1:])])
     rows: list[dict[str, Any]] = []
     if args.resume and args.out.exists():
         before = json.loads(args.out.read_text())
