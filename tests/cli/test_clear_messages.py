@@ -110,8 +110,28 @@ def test_learn_policy_on_a_file_says_it_wants_a_trace_directory(tmp_path: Path):
     file.write_text("not a dataset")
     result = cli("learn-policy", str(file), "-o", str(tmp_path / "p.safetensors"))
     assert result.exit_code == 2
-    assert result.stderr == (f"error: {file} is a file; learn-policy reads a trace directory (one written by "
-                             "`sparseety run --tier 3 --trace-dir DIR`)\n")
+    assert result.stderr == (f"error: {file} is a file, expected a trace directory (one written by "
+                             "`sparseety run --trace-dir DIR`)\n")
+
+
+# -- comma lists: one rule for every such flag ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,words", [
+    (["bench", "passkey", "--ratios", "0.5,,0.5"], "--ratios: item 2 of '0.5,,0.5' is empty"),
+    (["bench", "passkey", "--ratios", "0.5,0.50"], "--ratios: 0.50 is listed twice in '0.5,0.50'"),
+    (["bench", "passkey", "--policies", "kvzap,kvzap"], "--policies: kvzap is listed twice"),
+    (["bench", "passkey", "--lengths", "100,"], "--lengths: item 2 of '100,' is empty"),
+    (["bench", "passkey", "--depths", "0.5,0.5"], "--depths: 0.5 is listed twice"),
+    (["bench", "ruler", "--lengths", "300,300"], "--lengths: 300 is listed twice"),
+    (["bench", "ruler", "--policies", "h2o,,tova"], "--policies: item 2 of 'h2o,,tova' is empty"),
+    (["tune", "--metric", "passkey", "--threshold", "0.5", "--policy", "h2o", "--lengths", "100,100"],
+     "--lengths: 100 is listed twice"),
+])
+def test_comma_lists_refuse_empty_items_and_duplicates(args, words, tmp_path: Path):
+    result = cli(*args, "--out", str(tmp_path / "o")) if args[0] == "bench" else cli(*args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and words in result.stderr and result.stderr.count("\n") == 1
 
 
 # -- a request over a KV memory limit: the figures that would fit ------------------------------------------------
