@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparseety.report import render_html, write_report
+from sparseety.report import render_html, show, write_report
 from sparseety.report.bench_data import bench_view
 from sparseety.report.html import render_view
 from sparseety.store import StoredTrace
@@ -155,8 +155,8 @@ def test_passkey_and_tune_pages(browser, tmp_path: Path):
 
 
 def test_two_reports_embedded_in_one_page(browser, real_trace, tmp_path: Path):
-    """What a notebook does with ``_repr_html_``: both reports draw, each in its own root."""
-    html = "<html><body><div>" + real_trace._repr_html_() + "</div><div>" + render_html(real_trace, layer=2) + \
+    """What a notebook does with ``show(trace)``'s ``_repr_html_``: both reports draw, each in its own root."""
+    html = "<html><body><div>" + show(real_trace)._repr_html_() + "</div><div>" + render_html(real_trace, layer=2) + \
         "</div></body></html>"
     page = open_report(browser, html, tmp_path, "two.html")
     roots = page.page.locator(".spx[data-ready]")

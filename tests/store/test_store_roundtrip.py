@@ -116,9 +116,12 @@ def test_unsampled_requests_keep_tier1_and_forced_keep_everything(tmp_path: Path
 
 
 def test_stored_trace_renders_in_notebooks(tiny_engine, one_torch_thread, tmp_path: Path):
-    """A StoredTrace read back from the dataset is what the report renders (Jupyter's _repr_html_)."""
+    """A StoredTrace read back from the dataset is what the report renders inline (``report.show``, Jupyter's
+    ``_repr_html_``); the store itself draws nothing (it never imports the report)."""
+    from sparseety.report import show
+
     result = tiny_engine("llama").generate(EncodedInput(prompt_ids(10)), build_policy("h2o", 6), max_new_tokens=3, tier=2)
     write_trace(result, tmp_path)
-    html = load_trace(tmp_path)._repr_html_()
+    html = show(load_trace(tmp_path))._repr_html_()
     assert html.lstrip().lower().startswith("<!doctype html") or "<div" in html
     assert result.request_id in html

@@ -38,7 +38,7 @@ def learn_importance_cmd(
     from sparseety.cli.progress import steps as progress_steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
-    from sparseety.extract.learn_weights import learn_head_weights
+    from sparseety.analysis.learn_importance import learn_head_weights
     from sparseety.extract.scoring import FEATURES
     from sparseety.models import load_model
     from sparseety.threads import use_threads

@@ -28,7 +28,7 @@ def render_html(trace: StoredTrace, *, layer: int | None = None) -> str:
     """The report of one stored run as a complete HTML document.
 
     Every style rule is scoped to the report's root element and the script finds that element by a
-    unique id, so the same string also works embedded in a page (Jupyter's ``_repr_html_``).
+    unique id, so the same string also works embedded in a page (a notebook: :func:`sparseety.report.show`).
     """
     return render_view(trace_view(trace, layer=layer))
 

@@ -51,11 +51,6 @@ class StoredTrace:
     def tier(self) -> int:
         return int(self.document["tier"])
 
-    def _repr_html_(self) -> str:
-        from sparseety.report import render_html
-
-        return render_html(self)
-
 
 def connect(trace_dir: str | Path) -> duckdb.DuckDBPyConnection:
     """An in-memory, sandboxed DuckDB connection with views ``requests``, ``token_events``,
