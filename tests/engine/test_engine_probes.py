@@ -99,7 +99,7 @@ def _eager_last_rows(token_ids: list[int], forwards: int) -> list[np.ndarray]:
 
 def test_tier3_step_importance_is_the_attention_of_each_step(engine_for):
     engine = engine_for("llama")
-    result = run(engine, prompt_ids(PROMPT), build_policy("dense"), NEW, tier=3)
+    result = run(engine, prompt_ids(PROMPT), build_policy("dense"), NEW, tier=3, importance="attention")
     steps = result.arrays["step_importance"]
     assert steps.dtype == np.float16
     assert steps.shape == (NEW, engine.num_layers, SEEN)  # one vector per forward, as wide as the cache got
@@ -120,7 +120,7 @@ def test_tier3_step_importance_is_the_attention_of_each_step(engine_for):
 def test_tier3_evicted_positions_get_no_importance(engine_for):
     engine = engine_for("llama")
     budget = 10
-    result = run(engine, prompt_ids(PROMPT), build_policy("streaming", budget), NEW, tier=3)
+    result = run(engine, prompt_ids(PROMPT), build_policy("streaming", budget), NEW, tier=3, importance="attention")
     steps = result.arrays["step_importance"].astype(np.float32)
     for s in range(1, NEW):
         seen = PROMPT + s

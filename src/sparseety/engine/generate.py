@@ -26,22 +26,21 @@ from sparseety.engine.cache import SparseCache
 from sparseety.engine.context import RunContext, activate, active_context
 from sparseety.engine.importance import important_tokens
 from sparseety.extract.head_weights import HeadWeights, resolve_head_weights
-from sparseety.extract.scoring import find_sinks, output_grams
-from sparseety.engine.inputs import EncodedInput
-from sparseety.engine.layers import LayerSelection, parse_layers
+from sparseety.extract.scoring import check_mode, find_sinks, output_grams
+from sparseety.engine.inputs import EncodedInput, encode_prompt
+from sparseety.engine.layers import parse_layers
 from sparseety.engine.packed import SplitProbes, active_packed, isolated
 from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
 from sparseety.engine.provenance import provenance
 from sparseety.engine.prune import PruneRun, install_layer_hooks
 from sparseety.engine.reconstruct import run_reconstruction
-from sparseety.engine.request import GenerationOptions
 from sparseety.engine.result import RunResult
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from sparseety.engine.window import layer_windows
 from sparseety.errors import ConfigError, InputError
 from sparseety.models.fingerprint import model_fingerprint
+from sparseety.options import GenerationOptions, options_from
 from sparseety.policies.base import ModelInfo, Policy
-from sparseety.policies.prune import PruneSchedule
 
 
 class SparseEngine:
@@ -84,64 +83,51 @@ class SparseEngine:
 
     def generate(
         self,
-        encoded: EncodedInput,
-        policy: Policy,
+        encoded: EncodedInput | str,
+        policy: Policy | None = None,
+        options: GenerationOptions | None = None,
         *,
-        max_new_tokens: int = 64,
-        tier: int = 2,
-        top_k: int = 16,
-        speculative: int | None = None,
-        seed: int = 0,
         request_id: str | None = None,
         on_prefill_layer: Callable[[int, int], None] | None = None,
         streamer: Any = None,
-        prune: PruneSchedule | None = None,
-        attention_topk: int | None = None,
-        layers: str | Sequence[int] | LayerSelection | None = None,
-        min_score: float = 0.0,
-        importance: str = "attention",
-        importance_weights: Any = None,
+        **fields: Any,
     ) -> RunResult:
         """Generate greedily and record the token lifecycle.
 
         Parameters
         ----------
-        encoded : token ids; ``compress_len`` set selects the long-document protocol.
-        policy : KV policy with its budget resolved.
-        max_new_tokens : generation length limit.
-        tier : 0 nothing, 1 counts and timings, 2 tokens, events and importance, 3 per-step vectors.
-        top_k : important tokens per layer (tier >= 2).
-        speculative : draft this many tokens per step by prompt lookup (no second model).
-        seed : seed for seeded policies.
+        encoded : token ids (``compress_len`` set selects the long-document protocol), or prompt text (encoded
+            with the chat template on chat models).
+        policy : KV policy with its budget resolved; None builds the options' policy on this input.
+        options : a :class:`~sparseety.options.GenerationOptions` (None: every default).
+        request_id : the run's id (None: a random one).
         on_prefill_layer : called with ``(layer, num_layers)`` as prefill passes each layer.
         streamer : a transformers streamer (``put``/``end``) handed to ``model.generate``; it receives
             the prompt ids first, then each step's new token ids.
-        prune : token pruning of the prompt (or, in the long-document protocol, the context) forward.
-        layers : layers recording importance (tier >= 2): ``"all"`` (default), ``"auto"`` or layer numbers.
-        min_score : important-token records scoring below this share of their ranking's maximum are dropped.
-        attention_topk : while decoding, attend only to this many highest-scoring held slots per KV head,
-            under any evicting policy (``topk_attention`` is this with no eviction).
-        importance : what importance records: ``attention``, ``value``, ``output`` or ``learned``
-            (:mod:`sparseety.extract.scoring`).
-        importance_weights : ``learned``: a :class:`~sparseety.extract.head_weights.HeadWeights` or its file
-            (None: the weights shipped for this model).
+        **fields : :class:`~sparseety.options.GenerationOptions` fields set over ``options``
+            (``max_new_tokens=8, importance="attention"``; ``policy`` and ``budget`` build the policy only when
+            none is given).
         """
-        options = GenerationOptions(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, prune=prune,
-                                    attention_topk=attention_topk, layers=layers, min_score=min_score,
-                                    importance=importance, importance_weights=importance_weights)
+        if isinstance(encoded, str):
+            encoded = encode_prompt(self.tokenizer, encoded, None)
+        if isinstance(policy, str):  # generate(prompt, "snapkv", budget=64)
+            fields["policy"], policy = policy, None
+        options = options_from(options, **fields)
+        if policy is None:
+            policy = options.policy_for(encoded.compress_len or encoded.input_len)
+        speculative, max_new_tokens = options.speculative, options.max_new_tokens
         if speculative is not None:
             self._check_speculative(speculative, encoded, policy)
         self.check_request(encoded, policy, options)
         input_ids = encoded.input_ids
-        with self.open_run(encoded, policy, tier=tier, seed=seed, on_prefill_layer=on_prefill_layer,
-                           prune=prune, layers=layers, top_k=top_k, attention_topk=attention_topk,
-                           importance=importance, importance_weights=importance_weights) as ctx:
+        with self.open_run(encoded, policy, options, on_prefill_layer=on_prefill_layer) as ctx:
             if encoded.compress_len is not None:  # the context is prefilled (and compressed) on its own
                 self.model(input_ids=input_ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
                 self.reconstruct(ctx, encoded)
             elif policy.reconstructs:  # the prompt is prefilled here so that kvzip's pass runs before the first decode step
                 sequences = self._reconstructing_generate(ctx, encoded, max_new_tokens, streamer)
-                return self.build_result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
+                return self.build_result(ctx, encoded, sequences, policy, options.tier, options.top_k, request_id,
+                                         options.min_score)
             kwargs: dict[str, Any] = {}
             if speculative:
                 kwargs["prompt_lookup_num_tokens"] = speculative
@@ -155,7 +141,8 @@ class SparseEngine:
                 streamer=streamer,
                 **kwargs,
             )
-        return self.build_result(ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
+        return self.build_result(ctx, encoded, sequences, policy, options.tier, options.top_k, request_id,
+                                 options.min_score)
 
     def reconstruct(self, ctx: RunContext, encoded: EncodedInput) -> None:
         """Run a reconstructing policy's pending pass over the region just prefilled (see :mod:`.reconstruct`)."""
@@ -225,11 +212,12 @@ class SparseEngine:
         """
         policy.bind(self.model_info)
         parse_layers(options.layers, self.num_layers)
-        if options.prune is not None:
-            options.prune.check_layers(self.num_layers)
-            options.prune.check_prompt(encoded.compress_len or encoded.input_len)
+        prune = options.prune_schedule(self.num_layers)
+        if prune is not None:
+            prune.check_layers(self.num_layers)
+            prune.check_prompt(encoded.compress_len or encoded.input_len)
         self._check_topk(policy, options.attention_topk)
-        if policy.reconstructs and options.prune is not None:
+        if policy.reconstructs and prune is not None:
             raise ConfigError(f"policy {policy.name!r} cannot be combined with token pruning: its reconstruction pass "
                               "scores every slot of the region it compresses")
         if self.max_positions and encoded.input_len + options.max_new_tokens > self.max_positions:
@@ -259,17 +247,18 @@ class SparseEngine:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``) for one request."""
         policy.bind(self.model_info)
         head = self.head_weights(options.importance_weights) if options.importance == "learned" else None
-        feature = options.importance if head is None else head.feature
+        feature = options.importance if head is None else check_mode(head.feature, "importance weights feature")
+        prune = options.prune_schedule(self.num_layers)
         return RunContext(
             policy=policy, cache=SparseCache(self.num_layers, self.windows), num_layers=self.num_layers,
             kv_heads=self.kv_heads, tier=options.tier, input_len=encoded.input_len,
             compress_once=encoded.compress_len is not None, compress_len=encoded.compress_len, seed=options.seed,
             on_prefill_layer=on_prefill_layer,
             probes=ModuleProbes() if options.tier >= 2 else None,
-            prune=PruneRun(options.prune, self.num_layers) if options.prune is not None else None,
+            prune=PruneRun(prune, self.num_layers) if prune is not None else None,
             layers=parse_layers(options.layers, self.num_layers), auto_k=options.top_k,
             attention_topk=options.attention_topk,
-            importance_mode=feature,  # type: ignore[arg-type]
+            importance_mode=feature,
             out_grams=self.output_grams() if feature == "output" and options.tier >= 2 else None,
             head_weights=None if head is None else head.weights,
         )
@@ -301,39 +290,32 @@ class SparseEngine:
         self,
         encoded: EncodedInput,
         policy: Policy,
+        options: GenerationOptions | None = None,
         *,
-        tier: int = 2,
-        seed: int = 0,
         on_prefill_layer: Callable[[int, int], None] | None = None,
-        prune: PruneSchedule | None = None,
-        attention_topk: int | None = None,
-        layers: str | Sequence[int] | LayerSelection | None = None,
-        top_k: int = 16,
-        importance: str = "attention",
-        importance_weights: Any = None,
+        **fields: Any,
     ) -> Iterator[RunContext]:
         """A fresh :class:`RunContext` (with an empty ``SparseCache``), active inside the block.
 
         Every forward of ``self.model`` on this thread inside the block runs through the context's
-        policy and probes; pass ``past_key_values=ctx.cache``. Gradients are off. ``prune`` prunes
-        the block's first forward; ``layers`` and ``top_k`` select the layers recording importance.
+        policy and probes; pass ``past_key_values=ctx.cache``. Gradients are off. ``options`` (or its
+        ``fields``, as in :meth:`generate`) set the tier, the seed, the pruning of the block's first
+        forward, the layers recording importance and the importance mode.
         """
+        options = options_from(options, **fields)
+        prune = options.prune_schedule(self.num_layers)
         if prune is not None:
             prune.check_layers(self.num_layers)
-        self._check_topk(policy, attention_topk)
-        torch.manual_seed(seed)
-        options = GenerationOptions(tier=tier, top_k=top_k, seed=seed, prune=prune, attention_topk=attention_topk,
-                                    layers=layers, importance=importance, importance_weights=importance_weights)
+        self._check_topk(policy, options.attention_topk)
+        torch.manual_seed(options.seed)
         ctx = self.new_context(encoded, policy, options, on_prefill_layer)
         with activate(ctx), torch.inference_mode():
             yield ctx
 
     @staticmethod
     def _check_topk(policy: Policy, attention_topk: int | None) -> None:
-        if attention_topk is None:
+        if attention_topk is None:  # a positive number: GenerationOptions checked it
             return
-        if attention_topk <= 0:
-            raise InputError(f"attention_topk must be a positive number of slots, got {attention_topk}")
         if policy.attends_topk:
             raise InputError(f"policy {policy.name!r} already attends to its top {policy.budget} slots; "
                              "attention_topk composes with the other policies")
@@ -342,9 +324,8 @@ class SparseEngine:
                              "attention_topk cannot rank; set its option per_head=false to combine them")
 
     def _check_speculative(self, speculative: int, encoded: EncodedInput, policy: Policy) -> None:
-        """Prompt lookup needs room for its drafts and an empty cache at its first step."""
-        if speculative <= 0:
-            raise InputError(f"speculative must be a positive number of draft tokens, got {speculative}")
+        """Prompt lookup needs room for its drafts and an empty cache at its first step (``speculative`` is
+        positive: GenerationOptions checked it)."""
         if policy.reconstructs:
             raise ConfigError(f"policy {policy.name!r} cannot be combined with speculative decoding in generate: "
                               "its reconstruction pass runs between the prefill and the first decode step, and "

@@ -1,19 +1,19 @@
-"""A request in the batched engine: its inputs, options, status and token lifecycle (as vLLM's ``Request``)."""
+"""A request in the batched engine: its inputs, options, status and token lifecycle (as vLLM's ``Request``).
+
+``GenerationOptions`` lives in :mod:`sparseety.options` (every door builds it) and is re-exported here.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from sparseety.engine.context import RunContext
 from sparseety.engine.inputs import EncodedInput
-from sparseety.engine.layers import LayerSelection
-from sparseety.errors import InputError
-from sparseety.extract.scoring import MODES
+from sparseety.options import GenerationOptions
 from sparseety.policies.base import Policy
-from sparseety.policies.prune import PruneSchedule
+
+__all__ = ["GenerationOptions", "Request", "RequestStatus"]
 
 
 class RequestStatus(enum.Enum):
@@ -31,33 +31,6 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
                         RequestStatus.FINISHED_ERROR)
-
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    """Per-request generation and tracing options (see :meth:`SparseEngine.generate` for each)."""
-
-    max_new_tokens: int = 64
-    tier: int = 2
-    top_k: int = 16
-    seed: int = 0
-    prune: PruneSchedule | None = None
-    attention_topk: int | None = None
-    layers: str | Sequence[int] | LayerSelection | None = None
-    min_score: float = 0.0
-    importance: str = "attention"  #: ``attention``, ``value``, ``output`` or ``learned`` (:mod:`sparseety.extract.scoring`)
-    #: ``learned``: a :class:`~sparseety.extract.head_weights.HeadWeights` or its file (None: the shipped one)
-    importance_weights: Any = None
-
-    def __post_init__(self) -> None:
-        if self.importance not in MODES:
-            raise InputError(f"importance must be one of {', '.join(MODES)}, got {self.importance!r}")
-        if self.tier not in (0, 1, 2, 3):
-            raise InputError(f"tier must be 0, 1, 2 or 3, got {self.tier}")
-        if not 0.0 <= self.min_score < 1.0:
-            raise InputError(f"min_score must be in [0, 1), got {self.min_score}")
-        if self.max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
 
 
 @dataclass

@@ -29,16 +29,16 @@ before).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
-ImportanceMode = Literal["attention", "value", "output", "learned"]
+from sparseety.options import DEFAULT_IMPORTANCE, IMPORTANCE_MODES, ImportanceMode
+
 #: the scores a slot's norm makes (``learned`` weighs one of them per head)
 FEATURES: tuple[str, ...] = ("attention", "value", "output")
-MODES: tuple[str, ...] = (*FEATURES, "learned")
-#: the default ``--importance`` (chosen by ``sparseety bench faithfulness``: see the README's table)
-DEFAULT_MODE: ImportanceMode = "value"
+MODES: tuple[str, ...] = IMPORTANCE_MODES
+#: the default ``--importance`` (chosen by ``sparseety bench faithfulness``: see the README's table), written once
+DEFAULT_MODE: ImportanceMode = DEFAULT_IMPORTANCE
 SINK_SHARE = 0.1
 SINK_NORM_RATIO = 0.5
 
