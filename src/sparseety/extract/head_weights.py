@@ -77,7 +77,9 @@ def read_head_weights(path: str | Path) -> HeadWeights:
     ------
     ConfigError
         An unreadable or damaged file: not JSON, another format or version, a missing field, an unknown
-        ``feature``, ragged, negative or non-finite weights.
+        ``feature``, ragged, negative or non-finite weights; or degenerate weights: all zero (every token
+        would score 0.0 and rank in position order) or all equal (no head weighs more than another, which
+        is no learned ranking).
     """
     source = Path(path)
     try:
@@ -104,6 +106,15 @@ def read_head_weights(path: str | Path) -> HeadWeights:
     bad = [w for r in rows for w in r if not math.isfinite(w) or w < 0]
     if bad:
         raise ConfigError(f"importance weights {source}: weights must be finite and >= 0, got {bad[0]!r}")
+    values = {w for r in rows for w in r}
+    if values == {0} or values == {0.0}:
+        raise ConfigError(f"importance weights {source}: every weight is 0, so --importance learned would score "
+                          "every token 0.0 and rank them in position order; fit the file again with "
+                          "`sparseety learn-importance`")
+    if len(values) == 1 and sum(len(r) for r in rows) > 1:
+        raise ConfigError(f"importance weights {source}: every weight is {rows[0][0]!r}, so no head weighs more than "
+                          "another and the file holds no learned ranking; fit it again with `sparseety "
+                          "learn-importance`")
     provenance = document.get("provenance")
     return HeadWeights(torch.tensor(rows, dtype=torch.float32), str(document["feature"]), str(document["model"]),
                        str(document["model_fingerprint"]), provenance if isinstance(provenance, dict) else {},
