@@ -392,3 +392,42 @@ def test_a_split_layer_computes_what_the_unsplit_layer_does(document, engine_for
     np.testing.assert_allclose(split.arrays["importance"].astype(np.float32),
                                shared.arrays["importance"].astype(np.float32), rtol=1e-2, atol=1e-3)
     assert split.kv_cache_bytes_peak == shared.kv_cache_bytes_peak
+
+
+def test_a_policy_declares_its_reconstruction_pass_through_the_policy_interface(engine_for, tokenizer):
+    """The engine knows reconstruction passes through :class:`Policy` only: a policy that is not kvzip declares its
+    own chunks (here: the context repeated once, scoring its second half) and the engine feeds exactly those,
+    scores from them, leaves no trace of them and evicts to the budget; a policy without a pass declares none."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from sparseety.policies.base import Observation, Policy, ReconstructionChunk
+
+    fed: list[list[int]] = []
+
+    @dataclass
+    class RepeatHalf(Policy):
+        name: ClassVar[str] = "repeat-half"
+        reconstructs: ClassVar[bool] = True
+
+        def reconstruction_chunks(self, context_ids: list[int], tokenizer: object) -> list[ReconstructionChunk]:
+            half = len(context_ids) // 2
+            return [ReconstructionChunk(tuple(context_ids), half, len(context_ids), 1)]
+
+        def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
+            assert obs.attention is not None
+            return obs.attention, None
+
+    engine = engine_for("llama")
+    prompt = prompt_ids(24, seed=3)
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: fed.append(kwargs["input_ids"][0].tolist()), with_kwargs=True)
+    try:
+        result = engine.generate(EncodedInput(prompt), RepeatHalf(budget=10), max_new_tokens=3, tier=2)
+    finally:
+        hook.remove()
+    assert fed[1] == prompt[0].tolist()  # the prefill, then the declared chunk
+    assert result.kv_cache_bytes_peak < result.kv_cache_bytes_dense
+    kept = result.kept_positions_final["0"]["0"]
+    assert len(kept) == 10 and all(p >= 12 for p in kept)  # the pass scored the second half; decode keeps to 10
+    assert build_policy("h2o", 8).reconstruction_chunks(prompt[0].tolist(), tokenizer) == []

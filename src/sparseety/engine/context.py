@@ -28,12 +28,12 @@ from sparseety.extract.scoring import FEATURES, ImportanceMode, score_row, slot_
 from sparseety.policies.base import (
     Observation,
     Policy,
+    ReconstructionChunk,
     Signal,
     protect,
     select_evict,
     select_keep,
 )
-from sparseety.policies.kvzip import ReconstructionChunk
 from sparseety.policies.rotary import inverse_frequencies
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from sparseety.engine.context import RunContext, activate
-from sparseety.policies.kvzip import ReconstructionChunk
+from sparseety.policies.base import ReconstructionChunk
 
 #: Query rows scored at a time (the ``[heads, rows, keys]`` block stays small).
 SCORE_BLOCK = 256
@@ -150,7 +150,7 @@ def run_reconstruction(model: torch.nn.Module, ctx: RunContext, context_ids: lis
         return
     if len(context_ids) != ctx.reconstruction_region:
         raise RuntimeError(f"reconstruction of {ctx.reconstruction_region} positions given {len(context_ids)} ids")
-    chunks = ctx.policy.reconstruction_chunks(context_ids, tokenizer)  # type: ignore[attr-defined]
+    chunks = ctx.policy.reconstruction_chunks(context_ids, tokenizer)
     device = next(model.parameters()).device
     with activate(ctx), torch.inference_mode():
         for chunk in chunks:

@@ -100,6 +100,21 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class ReconstructionChunk:
+    """One forward of a reconstructing policy's own pass (:meth:`Policy.reconstruction_chunks`): it feeds
+    ``ids`` over the region's cache and scores the region's positions ``start .. end - 1`` from those rows.
+
+    ``sinks`` is how many of the first positions join the scoring softmax (``min(policy.sinks, start)``).
+    """
+
+    ids: tuple[int, ...]
+    start: int
+    end: int
+    sinks: int
+    local: bool = False  #: the rows attend to the scoring set only (``attend="chunk"``), not the whole context
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What a policy may learn about the model it runs on (:meth:`Policy.bind`).
 
@@ -127,7 +142,8 @@ class Policy:
     #: True when decode steps attend only to the top-``budget`` keys (nothing deleted).
     attends_topk: ClassVar[bool] = False
     #: True for policies that score the region after its prefill from a teacher-forced pass of their own
-    #: (``kvzip``): the engine defers the region's eviction, runs the pass, discards its KV, then evicts.
+    #: (``kvzip``): the engine defers the region's eviction, runs the forwards
+    #: :meth:`reconstruction_chunks` declares, discards their KV, then evicts.
     reconstructs: ClassVar[bool] = False
     #: True for policies that read :attr:`Observation.token_ids` (the engine fills it only for them).
     needs_token_ids: ClassVar[bool] = False
@@ -192,6 +208,11 @@ class Policy:
     def splits_heads(self) -> bool:
         """True when :meth:`allocate` gives each KV head its own count (the layer is stored per head)."""
         return False
+
+    def reconstruction_chunks(self, context_ids: list[int], tokenizer: Any) -> list[ReconstructionChunk]:
+        """The extra forwards of a reconstructing policy's pass over a region holding ``context_ids`` (in
+        order), run by the engine after the region's prefill (:attr:`reconstructs`); none by default."""
+        return []
 
     def bind(self, model: ModelInfo) -> None:
         """Called when a run context is created for this policy on ``model``; raise :class:`ConfigError`

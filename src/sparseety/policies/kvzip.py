@@ -17,27 +17,13 @@ from typing import Any, ClassVar
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.policies.base import (Observation, Policy, Signal, check_positive_int, protect, recent_mask,
-                                     share_heads, share_layers)
+from sparseety.policies.base import (Observation, Policy, ReconstructionChunk, Signal, check_positive_int, protect,
+                                     recent_mask, share_heads, share_layers)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 #: Tokens of the previous chunk quoted after :data:`REPEAT_PART_PROMPT` (kvpress's ``prev_postfix_size``).
 PREVIOUS_TAIL = 8
-
-
-@dataclass(frozen=True)
-class ReconstructionChunk:
-    """One reconstruction forward: it feeds ``ids`` and scores the context positions ``start .. end - 1``.
-
-    ``sinks`` is how many of the first positions join the scoring softmax (``min(policy.sinks, start)``).
-    """
-
-    ids: tuple[int, ...]
-    start: int
-    end: int
-    sinks: int
-    local: bool = False  #: the rows attend to the scoring set only (``attend="chunk"``), not the whole context
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
