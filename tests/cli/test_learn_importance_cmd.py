@@ -85,6 +85,24 @@ def test_refusals_are_one_error_line(setup, tmp_path: Path):
               "--feature must be one of attention, value, output, got 'grad'")
 
 
+def test_texts_that_are_not_utf8_or_empty_are_refused_naming_the_argument(setup, tmp_path: Path):
+    """Before the model loads (--model names no model here): the file, the byte offset, and the argument
+    learn-importance has (its TEXTS, never bench faithfulness's --text)."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\u00e9 au lait, ".encode("latin-1") * 4)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    for path, words in ((latin, [f"training text {latin} is not UTF-8", "0xe9 at offset 3"]),
+                        (empty, [f"training text {empty}: no text", "empty"])):
+        result = CliRunner().invoke(app, ["learn-importance", str(setup["text0"]), str(path), "-o",
+                                          str(tmp_path / "w.json"), "--model", str(tmp_path / "no-model")])
+        one_error(result, *words)
+        assert "--text" not in result.stderr
+    bench = CliRunner().invoke(app, ["bench", "faithfulness", "--text", str(latin), "--model",
+                                     str(tmp_path / "no-model"), "-o", str(tmp_path / "b")])
+    one_error(bench, f"--text {latin} is not UTF-8", "offset 3")
+
+
 def test_serve_config_resolves_and_refuses_weights(setup):
     engine = SparseEngine(build_model("llama"), build_tokenizer(), str(setup["llama"]))
     config = ServeConfig(importance="learned", importance_weights=setup["weights"])

@@ -24,17 +24,32 @@ def default_texts() -> list[Path]:
     return [LICENSES / name for name in DEFAULT_FILES if (LICENSES / name).is_file()]
 
 
+def read_passage_text(path: Path, what: str = "--text") -> str:
+    """The file's text, refused (naming ``what``, the argument that gave it) when it cannot be read, is not
+    UTF-8 (the byte offset of the first bad byte: never replacement characters) or holds no text."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+                         f"({exc.reason}); convert the file to UTF-8 first") from None
+    if not text.strip():
+        raise InputError(f"{what} {path}: no text to make a passage of (the file is empty or blank)")
+    return text
+
+
 def make_prompts(files: Sequence[Path], encode: Callable[[str], list[int]], tokens: int = 125,
-                 question: str = QUESTION) -> list[tuple[str, list[int]]]:
-    """``(title, ids)`` per file: about ``tokens`` tokens of its text from its middle, then ``question``."""
+                 question: str = QUESTION, what: str = "--text") -> list[tuple[str, list[int]]]:
+    """``(title, ids)`` per file: about ``tokens`` tokens of its text from its middle, then ``question``;
+    ``what`` names the argument the files came from in a refusal (:func:`read_passage_text`)."""
     if tokens < 8:
         raise InputError(f"--tokens must be at least 8, got {tokens}")
     prompts = []
     for path in files:
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise InputError(f"cannot read --text {path}: {exc}") from None
+        text = read_passage_text(path, what)
         lines = text.splitlines(keepends=True)
         start = len(lines) // 2
         passage = ""
@@ -46,6 +61,6 @@ def make_prompts(files: Sequence[Path], encode: Callable[[str], list[int]], toke
             words = "".join(lines[start:]).split()
             passage = " ".join(words[: max(1, tokens * 3 // 4)])
         if not passage.strip():
-            raise InputError(f"--text {path}: no text to make a passage of")
+            raise InputError(f"{what} {path}: no text to make a passage of")
         prompts.append((path.name, encode(passage.strip() + question)))
     return prompts

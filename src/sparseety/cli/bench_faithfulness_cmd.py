@@ -45,7 +45,7 @@ def faithfulness_cmd(
         report_document,
         run_faithfulness,
     )
-    from sparseety.bench.faithfulness_prompts import default_texts, make_prompts
+    from sparseety.bench.faithfulness_prompts import default_texts, make_prompts, read_passage_text
     from sparseety.bench.resume import input_contents, write_document
     from sparseety.cli.bench_common import finished_results, saving_each, write_complete
     from sparseety.engine import SparseEngine
@@ -57,6 +57,8 @@ def faithfulness_cmd(
     files = list(text) or default_texts()
     if not files:
         raise ConfigError("no passages: give --text FILE (no licence texts under /usr/share/common-licenses)")
+    for file in files:  # not UTF-8, or empty: refused before the model loads
+        read_passage_text(file)
     settings = {"model": model, "texts": [str(f) for f in files], "tokens": tokens, "max_new_tokens": max_new_tokens,
                 "seed": seed, "inputs": input_contents(("--text", f) for f in files)}  # a changed passage is never reused
     if importance_weights is not None:

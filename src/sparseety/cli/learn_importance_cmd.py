@@ -34,7 +34,7 @@ def learn_importance_cmd(
 ) -> None:
     """Measure how much deleting prompt tokens hurts each training answer, and fit one non-negative weight per
     (layer, head) so that the weighted attention scores predict it (AT2, arXiv 2504.13752)."""
-    from sparseety.bench.faithfulness_prompts import make_prompts
+    from sparseety.bench.faithfulness_prompts import make_prompts, read_passage_text
     from sparseety.cli.progress import steps as progress_steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
@@ -48,10 +48,13 @@ def learn_importance_cmd(
     missing = [str(t) for t in texts if not t.is_file()]
     if missing:
         raise ConfigError(f"training text {missing[0]} is not a file")
+    for text in texts:  # not UTF-8, or empty: refused before the model loads, never trained on
+        read_passage_text(text, "training text")
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
     use_threads(threads, quiet=quiet or as_json)
-    prompts = make_prompts(texts, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"], tokens)
+    prompts = make_prompts(texts, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"], tokens,
+                           what="training text")
     with progress_steps(len(prompts), "training prompts", quiet=quiet or as_json) as progress:
         weights = learn_head_weights(engine, prompts, feature=feature, ablations=ablations,
                                      max_new_tokens=max_new_tokens, seed=seed, steps=steps,
