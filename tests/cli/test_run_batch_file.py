@@ -168,3 +168,22 @@ def test_a_request_that_fails_in_the_batch_is_reported_alone_and_the_others_are_
     docs = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(d["request_id"], len(d["output_token_ids"])) for d in docs] == [("colours", 4), ("hello", 4)]
     assert all(load_trace(tmp_path / "t", d["request_id"]).request_id == d["request_id"] for d in docs)
+
+
+def test_a_request_id_the_store_holds_is_refused_as_the_server_refuses_it(tmp_path: Path):
+    """One id, one trace: a line whose request_id is already stored is refused alone (the server answers 409),
+    and the store keeps its one row for that id."""
+    from sparseety.store import connect
+
+    batch = write(tmp_path / "prompts.jsonl", [LINES[0], {"prompt": "Say hello."}])
+    first = invoke("--batch-file", str(batch), "--max-new-tokens", "2", "--trace-dir", str(tmp_path / "t"),
+                   "--json", "--no-report", "--no-chat")
+    assert first.exit_code == 0, first.output
+    again = invoke("--batch-file", str(batch), "--max-new-tokens", "2", "--trace-dir", str(tmp_path / "t"),
+                   "--json", "--no-report", "--no-chat")
+    assert again.exit_code == 2, again.output
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and " line 1: request_id 'colours' is already in the trace store" in errors[0]
+    assert len(again.stdout.splitlines()) == 1  # the other line ran
+    rows = connect(tmp_path / "t").sql("SELECT request_id FROM requests WHERE request_id = 'colours'").fetchall()
+    assert len(rows) == 1

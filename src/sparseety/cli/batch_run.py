@@ -45,7 +45,12 @@ def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens:
                             engine.max_positions)
     batch = engine.batch(max_batch=max_concurrency, prefill_chunk=prefill_chunk)
     queued = []
+    stored = _stored_ids(trace_dir) if traced else set()
     for item in items:
+        if item.request_id in stored:  # one id, one trace: the server answers 409 for the same
+            errors.append(f"{path} line {item.line}: request_id {item.request_id!r} is already in the trace store "
+                          f"{trace_dir}: one id, one trace; give the line a new request_id (or none, and one is made)")
+            continue
         tier = trace_tier(item.request_id, sample_rate, tier=inputs.tier, force=force_trace)
         options = GenerationOptions(max_new_tokens=item.max_new_tokens, tier=tier, top_k=inputs.top_k, seed=seed,
                                     **inputs.engine_options(engine.num_layers))
@@ -95,6 +100,15 @@ def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens:
         raise typer.Exit(BAD_INPUT)
     if warned:
         raise typer.Exit(TRACE_WRITE_FAILED)
+
+
+def _stored_ids(trace_dir: Path) -> set[str]:
+    """The request ids the trace store at ``trace_dir`` holds (none when it is no dataset yet), read as the
+    server reads them to answer 409 (:func:`sparseety.serve.request_ids.stored_request_ids`)."""
+    from sparseety.serve.request_ids import stored_request_ids
+    from sparseety.store.dataset import MARKER
+
+    return stored_request_ids(trace_dir) if (trace_dir / MARKER).is_file() else set()
 
 
 def _error(message: str) -> None:
