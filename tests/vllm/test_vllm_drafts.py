@@ -19,8 +19,9 @@ SCRIPT = textwrap.dedent('''
     os.environ.pop("SPARSEETY_VLLM_CHANNEL", None)
     for var in [v for v in os.environ if v.startswith("SPARSEETY_")]:
         del os.environ[var]
-    from sparseety.integrations.vllm import plugin
-    from sparseety.integrations.vllm.observer import Capture, Observer
+    from sparseety.integrations.vllm import adapter
+    from sparseety.integrations.vllm.messages import FinishedRequest
+    from sparseety.integrations.vllm.observer import Observer
     from sparseety.integrations.vllm.settings import parse_settings
     from sparseety.store import connect, load_trace
 
@@ -45,21 +46,21 @@ SCRIPT = textwrap.dedent('''
                                                  "gone": [1]})
     runner_out = NS(req_id_to_index={"a": 0, "done": 1, "nosample": 2, "stale": 3, "gone": 4},
                     sampled_token_ids=[[9, 10, 11], [3], [], [4], [5]])
-    step2 = plugin.drafts_of(scheduler, sched_out, runner_out)
+    step2 = adapter.drafts_of(scheduler, sched_out, runner_out)
     assert step2 == [["a", 2, 12, [9, 10, 55], 2]], step2
     # step 5 (5 tokens out, position 15): every draft rejected, the target's own token only
     reqs["a"].num_tokens, reqs["a"].num_output_tokens = 15, 5
-    step5 = plugin.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={"a": [1, 2]}),
+    step5 = adapter.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={"a": [1, 2]}),
                              NS(req_id_to_index={"a": 0}, sampled_token_ids=[[13]]))
     assert step5 == [["a", 5, 15, [1, 2], 0]], step5
-    assert plugin.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={}), runner_out) == []
+    assert adapter.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={}), runner_out) == []
 
     # -- the KV blocks a request held, per KV-cache group --
     group = NS(kv_cache_spec=NS(page_size_bytes=1000), layer_names=["l0", "l1", "l2"])
     kv_scheduler = NS(kv_cache_config=NS(kv_cache_groups=[group]),
                       kv_cache_manager=NS(get_block_ids=lambda rid: ([4, 5, 6],) if rid == "a" else ([],)))
-    assert plugin.blocks_of(kv_scheduler, NS(request_id="a")) == [["a", 9000, 3]]
-    assert plugin.blocks_of(kv_scheduler, NS(request_id="b")) == []
+    assert adapter.blocks_of(kv_scheduler, NS(request_id="a")) == [["a", 9000, 3]]
+    assert adapter.blocks_of(kv_scheduler, NS(request_id="b")) == []
 
     # -- the observer: what arrives on the channel joins the finished request in the trace --
     def observe(env, name):
@@ -67,11 +68,11 @@ SCRIPT = textwrap.dedent('''
         obs = Observer(parse_settings({"SPARSEETY_TRACE_DIR": str(trace_dir), "SPARSEETY_KV_EVENTS": "off", **env}))
         obs.configure(model="smollm2-135m", block_size=None, kv_endpoint=None, config={},
                       tokenizer=model_dir, model_path=model_dir)
-        obs._on_drafts(step2 + step5)
-        obs._on_kv_blocks([["a", 4500, 2], ["a", 9000, 3]])  # preempted with 2 blocks, finished with 3
-        obs._on_chunks([["a", 0, 10]])
-        obs._enqueue(Capture("cmpl-a", "a", prompt, output, 0, [], [3, 2], [2, 0], 5, 2, text="x",
-                             finish_reason="length"))
+        obs.requests.on_drafts(step2 + step5)
+        obs.requests.on_kv_blocks([["a", 4500, 2], ["a", 9000, 3]])  # preempted with 2 blocks, finished with 3
+        obs.requests.on_chunks([["a", 0, 10]])
+        obs._enqueue(FinishedRequest("cmpl-a", "a", prompt, output, 0, [], [3, 2], [2, 0], 5, 2, text="x",
+                                     finish_reason="length"))
         obs.close()
         return trace_dir, obs
 
@@ -97,7 +98,7 @@ SCRIPT = textwrap.dedent('''
     # without the drafts hook (no identities arrived) the counts still add up, with -1 ids and positions
     obs2 = Observer(parse_settings({"SPARSEETY_TRACE_DIR": str(tmp / "counts"), "SPARSEETY_KV_EVENTS": "off"}))
     obs2.configure(model="m", block_size=None, kv_endpoint=None, config={})
-    obs2._enqueue(Capture("cmpl-b", "b", prompt, output, 0, [], [3, 2], [2, 0], 5, 2, finish_reason="length"))
+    obs2._enqueue(FinishedRequest("cmpl-b", "b", prompt, output, 0, [], [3, 2], [2, 0], 5, 2, finish_reason="length"))
     obs2.close()
     doc2 = load_trace(tmp / "counts", "cmpl-b").document
     assert doc2["sparsity"]["kv_cache_bytes_peak"] is None and doc2["token_texts"] in (None, [])
@@ -109,9 +110,9 @@ SCRIPT = textwrap.dedent('''
     # ids-only: no texts and the tokenizer is never loaded; redact: a secret in a token's text is masked
     trace_dir, obs = observe({"SPARSEETY_IDS_ONLY": "1"}, "ids-only")
     doc = load_trace(trace_dir, "cmpl-a").document
-    assert obs._tokenizer is None and not doc.get("token_texts") and doc["ids_only"] is True
+    assert obs.finisher._tokenizer is None and not doc.get("token_texts") and doc["ids_only"] is True
     trace_dir, obs = observe({"SPARSEETY_SAMPLE_RATE": "0"}, "unsampled")  # kept at tier 1: nothing decoded
-    assert obs._tokenizer is None and load_trace(trace_dir, "cmpl-a").tier == 1
+    assert obs.finisher._tokenizer is None and load_trace(trace_dir, "cmpl-a").tier == 1
     secret = tok("my key is sk-abcdefghijklmnopqrstuvwx1234 ok")["input_ids"]
     prompt[:] = secret
     trace_dir, obs = observe({"SPARSEETY_REDACT": "yes"}, "redact")
@@ -125,7 +126,7 @@ SCRIPT = textwrap.dedent('''
     assert parse_settings({"SPARSEETY_REDACT": "0", "SPARSEETY_IDS_ONLY": "true"}).ids_only is True
 
     # the model's name: --served-model-name, else the model directory's name (a hub snapshot: its repo id)
-    from sparseety.integrations.vllm.stat_logger import served_name
+    from sparseety.integrations.vllm.adapter import served_name
     hub = tmp / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "abc123"
     hub.mkdir(parents=True)
     assert served_name(NS(served_model_name="chat", model=model_dir)) == "chat"

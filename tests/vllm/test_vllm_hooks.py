@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.metrics.stats import IterationStats
 
-    from sparseety.integrations.vllm import plugin
+    from sparseety.integrations.vllm import adapter, plugin
     from sparseety.integrations.vllm.observer import observer
     from sparseety.integrations.vllm.metrics import metrics
     from sparseety.store import connect
@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
     assert [f.request_id for f in stats.finished_requests] == ["a"]
     assert stats.finished_requests[0].num_preemptions == 1  # vLLM's own count of the same event
     assert "a" in obs._captures
-    for finished in stats.finished_requests:  # what SparseetyStatLogger.record does (engine 0's logger)
+    for finished in adapter.finished_stats(stats):  # what SparseetyStatLogger.record does (engine 0's logger)
         obs.on_finished_stats(finished, 0)
     assert not obs._captures and len(obs._ready) == 1
     obs.flush()

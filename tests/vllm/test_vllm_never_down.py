@@ -72,11 +72,14 @@ SETTINGS = textwrap.dedent('''
         "sparseety: SPARSEETY_KV_EVENTS='5557' is not 'off' or a tcp://, ipc:// or inproc:// endpoint" + off
     assert line({"SPARSEETY_TRACE_DIR": str(a_file)}) == f"sparseety: SPARSEETY_TRACE_DIR='{a_file}' is not a directory" + off
     assert line({"SPARSEETY_TRACE_DIR": str(a_file / "sub")}) == \\
-        f"sparseety: SPARSEETY_TRACE_DIR='{a_file / 'sub'}' cannot be created (Not a directory)" + off
+        f"sparseety: SPARSEETY_TRACE_DIR='{a_file / 'sub'}' cannot be created: {a_file} is a file, not a directory" + off
+    # the pseudo file systems, by name (the CLI's shared output check, sparseety.output_paths)
     assert line({"SPARSEETY_TRACE_DIR": "/proc/sparseety-test"}).startswith(
-        "sparseety: SPARSEETY_TRACE_DIR='/proc/sparseety-test' cannot be created (")
-    # an existing directory nobody can write (even root): the check really creates a file there
-    assert line({"SPARSEETY_TRACE_DIR": "/proc"}).startswith("sparseety: SPARSEETY_TRACE_DIR='/proc' is not writable (")
+        "sparseety: SPARSEETY_TRACE_DIR='/proc/sparseety-test' is inside /proc, a pseudo file system")
+    assert line({"SPARSEETY_TRACE_DIR": "/proc"}).startswith("sparseety: SPARSEETY_TRACE_DIR='/proc' is inside /proc")
+    loop = tmp / "loop"
+    loop.symlink_to(loop)  # passed os.path.exists-based checks and failed later with "File exists"
+    assert line({"SPARSEETY_TRACE_DIR": str(loop)}) == f"sparseety: SPARSEETY_TRACE_DIR='{loop}' is a symbolic link loop" + off
 
     # good settings: no problems, a missing trace directory is created, the probe file is gone
     good = parse_settings({"SPARSEETY_TRACE_DIR": str(tmp / "new" / "traces"), "SPARSEETY_SAMPLE_RATE": "0.5",
@@ -101,17 +104,18 @@ SETTINGS = textwrap.dedent('''
     logging.getLogger("sparseety.vllm").addHandler(handler)
     os.environ.update(SPARSEETY_SAMPLE_RATE="abc", SPARSEETY_TIER="9", SPARSEETY_TRACE_DIR=str(a_file))
     from sparseety.integrations.vllm.metrics import metrics
-    from sparseety.integrations.vllm.observer import Capture, observer
+    from sparseety.integrations.vllm.messages import FinishedRequest
+    from sparseety.integrations.vllm.observer import observer
     obs = observer()
     assert seen == [("WARNING", bad.message)], seen
     assert obs.writer is None and obs.settings == bad
     obs.configure(model="m", block_size=None, kv_endpoint=None, config={})
-    obs._enqueue(Capture("r1", "r1", [1, 2, 3], [4, 5], 0, [], None, None, 0, 0, finish_reason="stop"))
+    obs._enqueue(FinishedRequest("r1", "r1", [1, 2, 3], [4, 5], 0, [], None, None, 0, 0, finish_reason="stop"))
     obs.flush()
     m = metrics()  # no stat logger reported it: engine "unknown"
     assert m.prompt_tokens.labels(engine="unknown")._value.get() == 3
     assert m.generation_tokens.labels(engine="unknown")._value.get() == 2
-    assert a_file.read_text() == "not a directory" and sorted(p.name for p in tmp.iterdir()) == ["a-file", "new"]
+    assert a_file.read_text() == "not a directory" and sorted(p.name for p in tmp.iterdir()) == ["a-file", "loop", "new"]
     assert len(seen) == 1, seen
     print("ok")
 ''')
@@ -132,7 +136,7 @@ HOOKS = textwrap.dedent('''
     from vllm.v1.engine import FinishReason
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from sparseety.integrations.vllm import attention_capture, hooks, plugin
+    from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
 
     seen = []
     handler = logging.Handler()
@@ -252,10 +256,10 @@ HOOKS = textwrap.dedent('''
             return output
     seen.clear()
     real = vars(CPUAttentionBackendImpl)["forward"]
-    assert attention_capture._wrap_impl(CPUAttentionBackendImpl) and seen == []
+    assert worker_hooks._wrap_impl(CPUAttentionBackendImpl) and seen == []
     assert getattr(vars(CPUAttentionBackendImpl)["forward"], hooks.MARK, None) == "importance-attention"
     CPUAttentionBackendImpl.forward = real
-    assert not attention_capture._wrap_impl(ChangedImpl)
+    assert not worker_hooks._wrap_impl(ChangedImpl)
     assert seen == [off("importance-attention", "ChangedImpl.forward(layer, query, key, value, kv_cache, "
                         "attn_metadata, ...) (it has forward(self, layer, q, k, v, kv_cache, attn_metadata, "
                         "output=None))")], seen
@@ -337,9 +341,9 @@ HOOKS = textwrap.dedent('''
     seen.clear()
     config = types.SimpleNamespace(kv_events_config=KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:5999"))
-    assert sl.kv_endpoint(config) == "tcp://127.0.0.1:5999" and seen == []
+    assert adapter.kv_endpoint(config) == "tcp://127.0.0.1:5999" and seen == []
     old = types.SimpleNamespace(kv_events_config=types.SimpleNamespace(enable_kv_cache_events=True, publisher="zmq"))
-    assert sl.kv_endpoint(old) is None
+    assert adapter.kv_endpoint(old) is None
     assert seen == [off("kv-events", "SimpleNamespace.endpoint")], seen
     print("ok")
 ''')

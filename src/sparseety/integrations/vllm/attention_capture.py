@@ -3,7 +3,7 @@
 vLLM never materializes attention weights, and its KV-cache layout depends on the backend and the
 instruction set, so this module keeps its own copy of what it needs, for sampled requests only:
 
-- the ``importance-rows`` hook wraps the model runner's ``_model_forward`` (the call that runs one
+- the ``importance-rows`` hook (:mod:`.worker_hooks`) wraps the model runner's ``_model_forward`` (the call that runs one
   forward of the batch, inside vLLM's forward context). It reads which rows belong to which request
   (``input_batch.req_ids``, ``query_start_loc``) and where they stand (``positions``), and plans the
   step: for each sampled request, its rows and the query positions to score. A batch without sampled
@@ -46,7 +46,10 @@ hash as the store), ``SPARSEETY_IMPORTANCE`` (``value``, the default, ``attentio
 capture off). Per request, ``vllm_xargs`` ``{"sparseety_tier": 3}`` traces it at tier 3 whatever the
 sampling, and ``{"sparseety_importance": "attention"}`` picks its mode (``"off"``: none for this request).
 
-This module imports neither vLLM nor torch at import time (torch is imported in the worker, on first use).
+This module holds the capture's own state and math (:class:`RequestCapture`, :class:`SharedBlocks`), on
+torch tensors only; :mod:`.worker_hooks` holds the hooks and the worker's state (:class:`.worker_hooks.WorkerCapture`),
+and reads vLLM's objects through :mod:`.adapter`. This module imports neither vLLM nor torch at import time
+(torch is imported in the worker, on first use).
 """
 
 from __future__ import annotations
@@ -57,20 +60,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from sparseety.integrations.vllm.channels import importance_channel
-from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
-
-
 log = logging.getLogger("sparseety.vllm")
-HOOK_ROWS = "importance-rows"
-HOOK_ATTENTION = "importance-attention"
-HOOK_FINISH = "importance-finish"
 TIER_ARG = "sparseety_tier"
 MODE_ARG = "sparseety_importance"
 MODES = ("value", "attention", "output")  #: ``learned`` (per-head weights) is not captured inside vLLM yet
 IMPORTANCE_ENV = "SPARSEETY_IMPORTANCE"
-SEND_HWM = 256
-FORWARD_PARAMS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
 
 
@@ -267,28 +261,6 @@ class RequestCapture:
 
 
 # -- the worker's state ----------------------------------------------------------------------------------
-class _Sender:
-    """PUSH to the observer's importance channel, never blocking: a full queue drops and counts."""
-
-    def __init__(self, endpoint: str) -> None:
-        import msgspec
-        import zmq
-
-        self._zmq = zmq
-        self._socket = zmq.Context.instance().socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self._socket.setsockopt(zmq.LINGER, 2000)
-        self._socket.connect(endpoint)
-        self._encode = msgspec.msgpack.Encoder().encode
-        self.dropped = 0
-
-    def send(self, message: list) -> None:
-        try:
-            self._socket.send(self._encode(message), self._zmq.NOBLOCK)
-        except self._zmq.Again:
-            self.dropped += 1
-
-
 class SharedBlocks:
     """Keys of full prompt blocks that sampled requests computed, by the hash of the tokens up to the
     block's end (the same prefix means the same post-RoPE keys), so a sampled request whose prompt vLLM
@@ -351,338 +323,3 @@ class SharedBlocks:
                 capture.fill(layer, start, keys[:, : end - start], None if norms is None else norms[:, : end - start])
             self.blocks.move_to_end(h)
             capture.shared += end - start
-
-
-class Capture:
-    """The worker process's capture: sampling decisions, the captures, the step plan, the sender."""
-
-    def __init__(self) -> None:
-        from sparseety.integrations.vllm.settings import parse_settings
-
-        settings = parse_settings()
-        mode, problem = parse_mode()
-        if problem:
-            log.warning(problem)
-        self.on = bool(settings.trace_dir) and not settings.problems and mode is not None and settings.tier >= 2
-        self.mode = mode or MODES[0]
-        self.rate = settings.sample_rate
-        self.tier = settings.tier
-        self.decisions: dict[str, RequestCapture | None] = {}
-        self.shared = SharedBlocks(_shared_limit())
-        self.block_size = 0
-        self.step: list[tuple[RequestCapture, int, int, int, list[int]]] | None = None
-        self.layer_index: dict[str, int] = {}
-        self.grams: list[Any] | None = None  #: ``output`` mode's per-layer Gram matrices (None: unavailable)
-        self.layers = 0
-        self.wrapped = False
-        self.channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
-        self._sender: _Sender | None = None
-        self._sender_tried = False
-
-    def send(self, message: list) -> None:
-        if self._sender is None:
-            if self._sender_tried or not self.channel:
-                return
-            self._sender_tried = True
-            self._sender = _Sender(importance_channel(self.channel))
-        self._sender.send(message)
-
-    @property
-    def dropped(self) -> int:
-        return self._sender.dropped if self._sender is not None else 0
-
-    # -- decisions ---------------------------------------------------------------------------------------
-    def decide(self, runner: Any, req_id: str) -> RequestCapture | None:
-        """Sample ``req_id`` (once): the store's request-id hash at tier >= 2, or ``sparseety_tier: 3``."""
-        from sparseety.store.sampling import should_sample
-
-        state = runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
-        tier, mode = self.tier, self.mode
-        forced = str(extra.get(TIER_ARG, "")).strip() == "3"
-        wanted = str(extra.get(MODE_ARG, "")).strip()
-        if wanted in MODES:
-            mode = wanted
-        if mode == "output" and self.grams is None:
-            mode = "value"  # no output projection found: the result says which mode it holds
-        capture = None
-        if wanted != "off" and state is not None and self.layers and (
-                forced or should_sample(external_id(req_id), self.rate)):
-            capture = RequestCapture(req_id, tier=3 if forced else tier, mode=mode,
-                                     prompt_len=int(state.num_prompt_tokens), layers=self.layers,
-                                     grams=self.grams if mode == "output" else None)
-            self.send(["start", req_id])
-        self.decisions[req_id] = capture
-        return capture
-
-    def plan(self, runner: Any, positions: Any) -> None:
-        """Plan this forward: each sampled request's rows ``[s, e)``, first position and rows to score."""
-        self.step = None
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        if not num_reqs:
-            return
-        req_ids = batch.req_ids
-        found = []
-        for index in range(num_reqs):
-            req_id = req_ids[index]
-            capture = self.decisions[req_id] if req_id in self.decisions else self.decide(runner, req_id)
-            if capture is not None:
-                found.append((index, capture))
-        if not found:
-            return
-        starts = runner.query_start_loc.np
-        flat = positions if positions.dim() == 1 else positions[0]
-        step = []
-        for index, capture in found:
-            s, e = int(starts[index]), int(starts[index + 1])
-            if e <= s:
-                continue
-            p0 = int(flat[s])
-            rows = capture.begin(p0, e - s)
-            if not capture.started:
-                capture.started = True
-                if p0 > 0:  # a prefix-cache hit: keys other sampled requests computed, where there are
-                    self.block_size = self.block_size or int(runner.cache_config.block_size)
-                    self.shared.fill(capture, list(runner.requests[capture.req_id].prompt_token_ids), self.block_size,
-                                     p0)
-            step.append((capture, s, e, p0, rows))
-        self.step = step or None
-
-    def after_forward(self, runner: Any) -> None:
-        """Offer the prompt blocks this forward completed to :class:`SharedBlocks`."""
-        if self.step is None or self.shared.limit <= 0:
-            return
-        self.block_size = self.block_size or int(runner.cache_config.block_size)
-        for capture, *_ in self.step:
-            state = runner.requests.get(capture.req_id)
-            if state is not None and capture.saved_blocks < capture.prompt_len // self.block_size:
-                self.shared.save(capture, list(state.prompt_token_ids), self.block_size)
-
-    def finish(self, req_id: str) -> None:
-        capture = self.decisions.pop(req_id, None)
-        if capture is not None:
-            self.send(["done", capture.result()])
-
-    # -- inside the attention backend -------------------------------------------------------------------------
-    def layer(self, attn_layer: Any, impl: Any, query: Any, key: Any, value: Any) -> None:
-        index = self.layer_index.get(getattr(attn_layer, "layer_name", ""))
-        if index is None or self.step is None:
-            return
-        heads = impl.num_heads
-        for capture, s, e, p0, rows in self.step:
-            if key is not None and value is not None:
-                capture.write(index, p0, key[s:e].view(e - s, impl.num_kv_heads, -1),
-                              value[s:e].view(e - s, impl.num_kv_heads, -1))
-            if rows:
-                capture.score(index, p0, query[s:e].view(e - s, heads, -1), rows, float(impl.scale))
-
-
-_CAPTURE: Capture | None = None
-SHARED_ENV = "SPARSEETY_IMPORTANCE_SHARED_BLOCKS"
-
-
-def _shared_limit() -> int:
-    """``SPARSEETY_IMPORTANCE_SHARED_BLOCKS``: prompt blocks of keys kept for prefix-cache hits (default 64;
-    0 keeps none, and cached positions are then always ``unscored``)."""
-    raw = os.environ.get(SHARED_ENV, "64").strip()
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        log.warning("sparseety: %s=%r is not an integer; 64 blocks kept", SHARED_ENV, raw)
-        return 64
-
-
-def capture() -> Capture:
-    global _CAPTURE
-    if _CAPTURE is None:
-        _CAPTURE = Capture()
-    return _CAPTURE
-
-
-# -- hooks -------------------------------------------------------------------------------------------------
-def _wrap(owner: Any, attr: str, hook: str, original: Any, wrapper: Any) -> None:
-    import functools
-
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, MARK, hook)
-    setattr(owner, attr, wrapper)
-
-
-def _installed(owner: Any, attr: str) -> bool:
-    import inspect
-
-    return getattr(inspect.getattr_static(owner, attr, None), MARK, None) is not None
-
-
-def install(loud: bool) -> None:
-    """Install the worker hooks on vLLM's model runner (the backend is wrapped at the first forward)."""
-    mode, problem = parse_mode()
-    if mode is None and problem is None:
-        return  # SPARSEETY_IMPORTANCE=off
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except Exception:
-        for hook in (HOOK_ROWS, HOOK_FINISH, HOOK_ATTENTION):
-            hook_off(hook, "vllm.v1.worker.gpu_model_runner.GPUModelRunner", loud=loud)
-        return
-    if _installed(GPUModelRunner, "_model_forward"):
-        return
-    forward = expect(GPUModelRunner, "_model_forward",
-                     ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"), HOOK_ROWS, prefix=True,
-                     loud=loud)
-    removed = expect(GPUModelRunner, "_on_request_state_removed", ("req_id", "req_state"), HOOK_FINISH, loud=loud)
-    if forward is None or removed is None:  # one without the other would capture what is never sent
-        return
-
-    def _model_forward(self, *args, **kwargs):
-        state = capture()
-        if state.on:
-            positions = args[1] if len(args) > 1 else kwargs.get("positions")
-            guarded(HOOK_ROWS, _plan, state, self, positions)
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            if state.step is not None:
-                guarded(HOOK_ROWS, state.after_forward, self)
-            state.step = None
-
-    def _on_request_state_removed(self, *args, **kwargs):
-        result = removed(self, *args, **kwargs)
-        state = _CAPTURE
-        if state is not None and state.decisions:
-            req_id = args[0] if args else kwargs.get("req_id")
-            if req_id in state.decisions:
-                guarded(HOOK_FINISH, state.finish, req_id)
-        return result
-
-    _wrap(GPUModelRunner, "_model_forward", HOOK_ROWS, forward, _model_forward)
-    _wrap(GPUModelRunner, "_on_request_state_removed", HOOK_FINISH, removed, _on_request_state_removed)
-
-
-def _plan(state: Capture, runner: Any, positions: Any) -> None:
-    if not state.wrapped:
-        state.wrapped = True
-        wrap_backends(state)
-        if state.layers:
-            state.grams = output_projection_grams(runner, state)
-    if state.layers:
-        state.plan(runner, positions)
-
-
-def output_projection_grams(runner: Any, state: Capture) -> list[Any] | None:
-    """Per captured layer, :func:`~sparseety.extract.scoring.output_grams` of the ``o_proj`` weight beside its
-    attention (``model.layers.N.self_attn.o_proj`` next to ``...self_attn.attn``). vLLM's CPU build may
-    repack a linear layer's weight and leave an empty one in its place; the weight is then read from the
-    checkpoint's safetensors under the same name. None (``output`` falls back to ``value``) when one is
-    missing."""
-    from sparseety.extract.scoring import output_grams
-
-    modules = dict(runner.model.named_modules())
-    checkpoint: dict[str, Any] | None = None
-    layers: list[Any] = []
-    for name in sorted(state.layer_index, key=state.layer_index.__getitem__):
-        prefix = name.rsplit(".", 1)[0] + ".o_proj"
-        impl = getattr(modules.get(name), "impl", None)
-        if impl is None:
-            return None
-        width = impl.num_heads * impl.head_size
-        weight = getattr(modules.get(prefix), "weight", None)
-        if weight is None or weight.dim() != 2 or weight.shape[1] != width:
-            if checkpoint is None:
-                checkpoint = _checkpoint_tensors(runner, "o_proj.weight")
-            weight = checkpoint.get(prefix + ".weight")
-        if weight is None or weight.dim() != 2 or weight.shape[1] != width:
-            log.warning("sparseety: importance 'output' is off (requests get 'value'): no output projection "
-                        "weight %s.weight of shape [hidden, %d]", prefix, width)
-            return None
-        layers.append(output_grams(weight, impl.num_heads, impl.num_kv_heads))
-    return layers
-
-
-def _checkpoint_tensors(runner: Any, suffix: str) -> dict[str, Any]:
-    """The tensors named ``*suffix`` in the served model's safetensors files (a local directory)."""
-    import glob
-
-    from safetensors import safe_open
-
-    path = str(getattr(getattr(runner, "model_config", None), "model", "") or "")
-    out: dict[str, Any] = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if key.endswith(suffix):
-                    out[key] = f.get_tensor(key)
-    return out
-
-
-def wrap_backends(state: Capture) -> None:
-    """Wrap ``forward`` of each attention-implementation class the model's layers use (whichever backend
-    the platform chose), and number the layers. Runs inside vLLM's forward context, at the first forward."""
-    from vllm.forward_context import get_forward_context
-
-    split = _model_split()
-    if split:
-        log.warning("sparseety: important tokens of vLLM requests are off: the model is split over %s, and each "
-                    "worker would see only its share of the heads or layers", split)
-        return
-    layers = get_forward_context().no_compile_layers
-    named: list[tuple[int, str]] = []
-    skipped: list[str] = []
-    classes: dict[type, None] = {}
-    for name, module in layers.items():
-        impl = getattr(module, "impl", None)
-        number = layer_number(name)
-        if impl is None or number is None or not all(hasattr(impl, a) for a in ("num_heads", "num_kv_heads", "scale")):
-            continue
-        if (getattr(module, "sliding_window", None) is not None or getattr(impl, "logits_soft_cap", None)
-                or getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None):
-            skipped.append(name)  # not the plain causal softmax row_probs computes
-            continue
-        named.append((number, name))
-        classes[type(impl)] = None
-    if skipped:
-        log.warning("sparseety: important tokens of vLLM requests are off: %d attention layers use a sliding "
-                    "window, a logit soft cap, ALiBi or sinks (%s, ...), which the capture does not score yet",
-                    len(skipped), skipped[0])
-        return
-    ok = [cls for cls in classes if _wrap_impl(cls)]
-    if not ok:
-        return
-    keep = sorted(named)
-    state.layer_index = {name: i for i, (_, name) in enumerate(keep)}
-    state.layers = len(keep)
-    log.info("sparseety: important tokens of sampled vLLM requests from %s over %d layers",
-             ", ".join(c.__name__ for c in ok), state.layers)
-
-
-def _model_split() -> str | None:
-    """What splits the model over workers (tensor or pipeline parallelism), or None."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
-
-        tp, pp = get_tensor_model_parallel_world_size(), get_pp_group().world_size
-    except Exception:
-        return None  # no parallel state (one process): not split
-    parts = [f"{tp} tensor-parallel ranks" if tp > 1 else "", f"{pp} pipeline stages" if pp > 1 else ""]
-    return " and ".join(p for p in parts if p) or None
-
-
-def _wrap_impl(cls: type) -> bool:
-    """Wrap ``cls.forward`` (checked: ``forward(layer, query, key, value, kv_cache, attn_metadata, ...)``)."""
-    if _installed(cls, "forward"):
-        return True
-    original = expect(cls, "forward", FORWARD_PARAMS, HOOK_ATTENTION, prefix=True)
-    if original is None:
-        return False
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-        state = _CAPTURE
-        if state is not None and state.step is not None and attn_metadata is not None:
-            guarded(HOOK_ATTENTION, state.layer, layer, self, query, key, value)
-        return result
-
-    _wrap(cls, "forward", HOOK_ATTENTION, original, forward)
-    return True

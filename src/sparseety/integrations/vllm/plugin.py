@@ -4,9 +4,10 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
 them more than once; :func:`register` patches vLLM's ``OutputProcessor`` and ``Scheduler`` classes once
 per process. Only the API-server process runs an ``OutputProcessor`` and only the engine core schedules,
 so each hook fires where it belongs. Each hook calls vLLM's own method first and then hands on what it
-needs; an observer error is logged, never raised (:func:`.hooks.guarded`). Each hook first checks that
-the method it wraps exists with the parameters it was written for (:func:`.hooks.expect`); if not, that
-hook alone is off, with one warning.
+needs; an observer error is logged, never raised (:func:`.hooks.guarded`). Every vLLM method it wraps and
+every attribute it reads is declared in :mod:`.adapter` and checked there at load (:func:`.adapter.check`);
+a hook whose need is missing is off, with one warning, and the others stay on. The wrappers read vLLM's
+objects only through the adapter's readers.
 
 The scheduler hooks see what the frontend never does, and send it over a ZMQ PUSH socket
 (non-blocking, bounded; what does not fit is dropped and counted) to the observer's PULL socket in the
@@ -22,7 +23,7 @@ API server, one ``[kind, records]`` message per step and kind:
 - ``owners`` (``owner``, to API server 0 only, only with ``--api-server-count > 1``): ``[request id,
   client index]`` for each new request another API server owns. The worker's importance results go to API
   server 0's importance channel (the worker cannot see a request's client); API server 0 forwards those
-  of other API servers' requests to them (:meth:`.observer.Observer.forward_importance`).
+  of other API servers' requests to them (:class:`.importance_consumer.ImportanceConsumer`).
 
 The first process to register picks the channel (``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and
 the processes it spawns inherit it. With ``--api-server-count N`` each API server (vLLM's client index
@@ -35,135 +36,88 @@ scheduler sends on these channels (PUSH sockets from many processes into one PUL
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
+from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_channel
-from sparseety.integrations.vllm.hooks import MARK, expect, guarded, hook_off
+from sparseety.integrations.vllm.hooks import guarded
 
 log = logging.getLogger("sparseety.vllm")
+_ROUTE = True  #: route engine-core records to the owning API server (``Request.client_index``)
+ENGINE_CORE_HOOKS = ("prefill-chunks", "drafts", "kv-blocks")
+FRONTEND_HOOKS = ("preemptions", "finished-requests")
 
 
 def register() -> None:
     """Install the hooks (idempotent, never raising). A hook whose vLLM internal is missing or changed
     is off, with one warning (in the first process that registers; the processes it starts stay quiet)."""
+    global _ROUTE
     try:
         loud = CHANNEL_ENV not in os.environ
         channel()
-        _check_ranks(loud)
-        _patch_scheduler(loud)
-        _patch_drafts(loud)
-        _patch_kv_blocks(loud)
-        _patch_output_processor(loud)
+        on = adapter.check(("ranks", *ENGINE_CORE_HOOKS, *FRONTEND_HOOKS), loud=loud)
+        _ROUTE = on["ranks"]
+        scheduler = adapter.resolve(adapter.SCHED)
+        if on["prefill-chunks"]:
+            _patch_schedule(scheduler)
+        if on["drafts"]:
+            _patch_drafts(scheduler)
+        if on["kv-blocks"]:
+            _patch_kv_blocks(scheduler)
+        output_processor = adapter.resolve(adapter.OP)
+        if on["preemptions"]:
+            _patch_preemptions(output_processor)
+        if on["finished-requests"]:
+            _patch_finished(output_processor)
         _patch_attention(loud)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
 
 
-_ROUTE = True  #: route engine-core records to the owning API server (``Request.client_index``)
-
-
-def _check_ranks(loud: bool) -> None:
-    """``ranks``: the engine core reads ``Request.client_index`` to route each record to the API server
-    that owns the request. Without it every record goes to API server 0, as with one API server."""
-    global _ROUTE
-    try:
-        from vllm.v1.request import Request
-    except ImportError:
-        hook_off("ranks", "vllm.v1.request.Request", loud=loud)
-        _ROUTE = False
-        return
-    params = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "client_index")
-    _ROUTE = expect(Request, "__init__", params, "ranks", prefix=True, loud=loud) is not None
-
-
 def _patch_attention(loud: bool) -> None:
     """``importance-rows``, ``importance-finish`` and ``importance-attention``: the worker's model runner
-    and the attention backend it chose, for the important tokens of sampled requests (:mod:`.attention_capture`)."""
-    from sparseety.integrations.vllm.attention_capture import install
+    and the attention backend it chose, for the important tokens of sampled requests (:mod:`.worker_hooks`)."""
+    from sparseety.integrations.vllm.worker_hooks import install
 
     install(loud)
 
 
-def _installed(owner: Any, attr: str) -> bool:
-    return getattr(inspect.getattr_static(owner, attr, None), MARK, None) is not None
-
-
-def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
-    """Parameter ``name`` (the ``index``-th after ``self``) of a call vLLM made."""
-    return args[index] if len(args) > index else kwargs[name]
-
-
-def _install(owner: Any, attr: str, hook: str, original: Callable, wrapper: Callable) -> None:
-    """Put ``wrapper`` (which passes vLLM's call through to ``original`` unchanged) in place."""
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, MARK, hook)
-    setattr(owner, attr, wrapper)
-
-
-def _patch_output_processor(loud: bool) -> None:
-    """``preemptions`` and ``finished-requests``: the frontend's per-output loop (API-server process)."""
-    try:
-        from vllm.v1.engine.output_processor import OutputProcessor
-    except ImportError:
-        for hook in ("preemptions", "finished-requests"):
-            hook_off(hook, "vllm.v1.engine.output_processor.OutputProcessor", loud=loud)
-        return
-    if not _installed(OutputProcessor, "_update_stats_from_output"):
-        _patch_preemptions(OutputProcessor, loud)
-    if not _installed(OutputProcessor, "_update_stats_from_finished"):
-        _patch_finished(OutputProcessor, loud)
-
-
-def _patch_preemptions(cls: Any, loud: bool) -> None:
-    try:
-        from vllm.v1.engine import EngineCoreEventType
-
-        preempted = EngineCoreEventType.PREEMPTED
-    except (ImportError, AttributeError):
-        hook_off("preemptions", "vllm.v1.engine.EngineCoreEventType.PREEMPTED", loud=loud)
-        return
-    original = expect(cls, "_update_stats_from_output",
-                      ("req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats"),
-                      "preemptions", loud=loud)
-    if original is None:
-        return
+# -- API server: the frontend's per-output loop ------------------------------------------------------------
+def _patch_preemptions(cls: Any) -> None:
+    preempted = adapter.preempted_type()
 
     def on_events(events: Any, args: tuple, kwargs: dict) -> None:
         for event in events:
-            if event.type == preempted:
-                _observer().on_preempted(_arg(args, kwargs, 0, "req_state"))
+            if adapter.is_preemption(event, preempted):
+                _observer().on_preempted(adapter.arg(args, kwargs, 0, "req_state"))
 
-    def _update_stats_from_output(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        output = args[1] if len(args) > 1 else kwargs.get("engine_core_output")
-        events = getattr(output, "events", None)  # per output and step: nothing more unless it has events
-        if events:
-            guarded("preemptions", on_events, events, args, kwargs)
-        return result
+    def make(original):
+        def _update_stats_from_output(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            events = adapter.output_events(adapter.arg(args, kwargs, 1, "engine_core_output"))
+            if events:  # per output and step: nothing more unless it has events
+                guarded("preemptions", on_events, events, args, kwargs)
+            return result
+        return _update_stats_from_output
 
-    _install(cls, "_update_stats_from_output", "preemptions", original, _update_stats_from_output)
+    adapter.patch(cls, "_update_stats_from_output", "preemptions", make)
 
 
-def _patch_finished(cls: Any, loud: bool) -> None:
-    original = expect(cls, "_update_stats_from_finished", ("req_state", "finish_reason", "iteration_stats"),
-                      "finished-requests", loud=loud)
-    if original is None:
-        return
-
+def _patch_finished(cls: Any) -> None:
     def on_finished(args: tuple, kwargs: dict) -> None:
-        _observer().on_finished(_arg(args, kwargs, 0, "req_state"), _arg(args, kwargs, 1, "finish_reason"))
+        _observer().on_finished(adapter.arg(args, kwargs, 0, "req_state"),
+                                adapter.arg(args, kwargs, 1, "finish_reason"))
 
-    def _update_stats_from_finished(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        guarded("finished-requests", on_finished, args, kwargs)
-        return result
+    def make(original):
+        def _update_stats_from_finished(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            guarded("finished-requests", on_finished, args, kwargs)
+            return result
+        return _update_stats_from_finished
 
-    _install(cls, "_update_stats_from_finished", "finished-requests", original, _update_stats_from_finished)
+    adapter.patch(cls, "_update_stats_from_finished", "finished-requests", make)
 
 
 def _observer():
@@ -172,6 +126,7 @@ def _observer():
     return observer()
 
 
+# -- engine core: the scheduler ----------------------------------------------------------------------------
 class _ChunkSender:
     """The engine core's end of the channel: PUSH, never blocking (a full queue drops and counts)."""
 
@@ -206,52 +161,6 @@ _SENDER: _ChunkSender | None = None
 _SENDER_TRIED = False
 
 
-def _patch_scheduler(loud: bool) -> None:
-    """``prefill-chunks``: the scheduler's per-step bookkeeping (engine-core process)."""
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except ImportError:
-        hook_off("prefill-chunks", "vllm.v1.core.sched.scheduler.Scheduler", loud=loud)
-        return
-    if _installed(Scheduler, "_update_after_schedule"):
-        return
-    original = expect(Scheduler, "_update_after_schedule", ("scheduler_output",), "prefill-chunks", loud=loud)
-    if original is None:
-        return
-
-    def chunks_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
-        chunks = []
-        for req_id, n in _arg(args, kwargs, 0, "scheduler_output").num_scheduled_tokens.items():
-            request = scheduler.requests[req_id]
-            start = request.num_computed_tokens  # before vLLM advances it below
-            if start < request.num_prompt_tokens:
-                chunks.append([req_id, start, min(n, request.num_prompt_tokens - start)])
-        return chunks
-
-    def _update_after_schedule(self, *args, **kwargs):
-        chunks = guarded("prefill-chunks", chunks_of, self, args, kwargs)
-        owners = guarded("prefill-chunks", owners_of, self, args, kwargs)
-        result = original(self, *args, **kwargs)
-        if chunks:
-            guarded("prefill-chunks", _send, "chunk", chunks, self.requests)
-        if owners:
-            guarded("prefill-chunks", _send, "owner", owners)
-        return result
-
-    _install(Scheduler, "_update_after_schedule", "prefill-chunks", original, _update_after_schedule)
-
-
-def owners_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
-    """``[request id, client index]`` for the newly scheduled requests that an API server other than 0
-    owns (none with one API server: one attribute read per new request)."""
-    owners = []
-    for new in _arg(args, kwargs, 0, "scheduler_output").scheduled_new_reqs:
-        client = _client_of(scheduler.requests.get(new.req_id))
-        if client > 0:
-            owners.append([new.req_id, client])
-    return owners
-
-
 def _send(kind: str, records: list[list], requests: Any = None) -> None:
     """Send on the channel, opened on first use (tried once: a channel that cannot open stays shut).
 
@@ -272,107 +181,66 @@ def _send(kind: str, records: list[list], requests: Any = None) -> None:
 
 
 def _client_of(request: Any) -> int:
-    """The API server (client index) that owns ``request``: where vLLM sends its outputs (0 when the
-    ``ranks`` check is off)."""
-    return int(getattr(request, "client_index", 0) or 0) if _ROUTE else 0
+    """The API server (client index) that owns ``request`` (0 when the ``ranks`` check is off)."""
+    return adapter.client_of(request, _ROUTE)
 
 
-def _scheduler_class(hook: str, loud: bool) -> Any:
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except ImportError:
-        hook_off(hook, "vllm.v1.core.sched.scheduler.Scheduler", loud=loud)
-        return None
-    return Scheduler
+def _patch_schedule(cls: Any) -> None:
+    """``prefill-chunks`` (and the owners of other API servers' requests, ``ranks``): the scheduler's
+    per-step bookkeeping."""
+    def chunks_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+        return adapter.prefill_chunks(scheduler, adapter.arg(args, kwargs, 0, "scheduler_output"))
 
-
-def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> list[list]:
-    """``[request id, step, first position, draft ids, accepted]`` for each request that verified drafts in
-    this step, read before vLLM's ``update_from_output`` appends the step's tokens.
-
-    The drafts follow the request's last token: the first one stands at position ``request.num_tokens``
-    (prompt plus output so far), ``step`` is the number of output tokens before this step (a decode
-    step's index, as in SparSEEty's own engine). The target model accepted the first ``accepted`` drafts
-    (its sampled ids minus the one token it samples itself), the rule vLLM's bookkeeping uses; requests
-    vLLM skips there (finished, aborted, stale after a preemption, no sampled ids) are skipped here too.
-    """
-    spec = scheduler_output.scheduled_spec_decode_tokens
-    if not spec:
-        return []
-    sampled = model_runner_output.sampled_token_ids
-    if not sampled:
-        return []
-    index = model_runner_output.req_id_to_index
-    per_step = getattr(scheduler, "num_sampled_tokens_per_step", 1)
-    records = []
-    for req_id, draft_ids in spec.items():
-        request = scheduler.requests.get(req_id)
-        if not draft_ids or request is None or request.is_finished():
-            continue
-        if getattr(request, "num_stale_output_tokens", 0) > 0 and getattr(request, "drop_stale_output", False):
-            continue
-        row = index.get(req_id)
-        if row is None or row >= len(sampled) or not len(sampled[row]):
-            continue
-        accepted = max(len(sampled[row]) - per_step, 0)
-        records.append([req_id, int(request.num_output_tokens), int(request.num_tokens),
-                        [int(t) for t in draft_ids], int(accepted)])
-    return records
-
-
-def _patch_drafts(loud: bool) -> None:
-    """``drafts``: the speculative drafts each verify step checked, with ids and positions (engine core)."""
-    Scheduler = _scheduler_class("drafts", loud)
-    if Scheduler is None or _installed(Scheduler, "update_from_output"):
-        return
-    original = expect(Scheduler, "update_from_output", ("scheduler_output", "model_runner_output"), "drafts",
-                      concrete=True, loud=loud)
-    if original is None:
-        return
-
-    def on_step(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
-        scheduler_output = _arg(args, kwargs, 0, "scheduler_output")
-        if not scheduler_output.scheduled_spec_decode_tokens:  # no speculative decoding: one dict check
+    def owners_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+        if not _ROUTE:
             return []
-        return drafts_of(scheduler, scheduler_output, _arg(args, kwargs, 1, "model_runner_output"))
+        return adapter.owners_of(scheduler, adapter.arg(args, kwargs, 0, "scheduler_output"), _ROUTE)
 
-    def update_from_output(self, *args, **kwargs):
-        drafts = guarded("drafts", on_step, self, args, kwargs)
-        result = original(self, *args, **kwargs)
-        if drafts:
-            guarded("drafts", _send, "draft", drafts, self.requests)
-        return result
+    def make(original):
+        def _update_after_schedule(self, *args, **kwargs):
+            chunks = guarded("prefill-chunks", chunks_of, self, args, kwargs)
+            owners = guarded("prefill-chunks", owners_of, self, args, kwargs)
+            result = original(self, *args, **kwargs)
+            if chunks:
+                guarded("prefill-chunks", _send, "chunk", chunks, adapter.scheduler_requests(self))
+            if owners:
+                guarded("prefill-chunks", _send, "owner", owners)
+            return result
+        return _update_after_schedule
 
-    _install(Scheduler, "update_from_output", "drafts", original, update_from_output)
-
-
-def blocks_of(scheduler: Any, request: Any) -> list[list]:
-    """``[[request id, bytes, blocks]]``: the KV-cache blocks ``request`` holds now and their bytes (per KV
-    cache group: its blocks times its page size times its layers), from vLLM's own block tables."""
-    config = scheduler.kv_cache_config
-    per_group = scheduler.kv_cache_manager.get_block_ids(request.request_id)
-    nbytes = blocks = 0
-    for group, ids in zip(config.kv_cache_groups, per_group, strict=False):
-        blocks += len(ids)
-        nbytes += len(ids) * int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
-    return [[request.request_id, nbytes, blocks]] if blocks else []
+    adapter.patch(cls, "_update_after_schedule", "prefill-chunks", make)
 
 
-def _patch_kv_blocks(loud: bool) -> None:
-    """``kv-blocks``: the KV bytes a request held, read when vLLM frees its blocks (engine core)."""
-    Scheduler = _scheduler_class("kv-blocks", loud)
-    if Scheduler is None or _installed(Scheduler, "_free_request_blocks"):
-        return
-    original = expect(Scheduler, "_free_request_blocks", ("request",), "kv-blocks", concrete=True, loud=loud)
-    if original is None:
-        return
+def _patch_drafts(cls: Any) -> None:
+    """``drafts``: the speculative drafts each verify step checked, with ids and positions."""
+    def on_step(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+        scheduler_output = adapter.arg(args, kwargs, 0, "scheduler_output")
+        if not adapter.has_drafts(scheduler_output):  # no speculative decoding: one dict check
+            return []
+        return adapter.drafts_of(scheduler, scheduler_output, adapter.arg(args, kwargs, 1, "model_runner_output"))
 
-    def _free_request_blocks(self, *args, **kwargs):
-        request = _arg(args, kwargs, 0, "request")
-        held = guarded("kv-blocks", blocks_of, self, request)
-        result = original(self, *args, **kwargs)
-        if held:
-            guarded("kv-blocks", _send, "kv", held, {request.request_id: request})
-        return result
+    def make(original):
+        def update_from_output(self, *args, **kwargs):
+            drafts = guarded("drafts", on_step, self, args, kwargs)
+            result = original(self, *args, **kwargs)
+            if drafts:
+                guarded("drafts", _send, "draft", drafts, adapter.scheduler_requests(self))
+            return result
+        return update_from_output
 
-    _install(Scheduler, "_free_request_blocks", "kv-blocks", original, _free_request_blocks)
+    adapter.patch(cls, "update_from_output", "drafts", make)
+
+
+def _patch_kv_blocks(cls: Any) -> None:
+    """``kv-blocks``: the KV bytes a request held, read when vLLM frees its blocks."""
+    def make(original):
+        def _free_request_blocks(self, *args, **kwargs):
+            request = adapter.arg(args, kwargs, 0, "request")
+            held = guarded("kv-blocks", adapter.blocks_of, self, request)
+            result = original(self, *args, **kwargs)
+            if held:
+                guarded("kv-blocks", _send, "kv", held, {held[0][0]: request})
+            return result
+        return _free_request_blocks
+
+    adapter.patch(cls, "_free_request_blocks", "kv-blocks", make)

@@ -1,0 +1,653 @@
+"""The one module that touches vLLM's objects: what SparSEEty patches and reads, declared and checked at load.
+
+Every method SparSEEty wraps and every attribute it reads at run time is a :class:`Need` of one hook in
+:data:`NEEDS`. :func:`check` looks each one up on vLLM's real classes when the plugin loads (a method: it
+exists, with the parameters the hook was written for; an attribute: the class has it as a class attribute,
+property, dataclass / msgspec / pydantic field, slot or annotation, or one of its methods assigns
+``self.<name>``, read from the class's source), and turns a hook whose need is missing off with one
+warning naming the hook and the missing name; the other hooks stay on and vLLM serves on. The attention
+backend's class is known only at the first forward; its needs (:data:`IMPL_NEEDS`) are checked then
+(:func:`check_class`). ``docs/vllm-internals.md``'s table is :func:`internals_table` (a test keeps them equal).
+
+The readers below turn vLLM's objects into SparSEEty's own types (:mod:`.messages`, plain lists for what
+goes over a channel); the rest of the integration never reads a vLLM object. :func:`patch` installs a
+wrapper (marked with :data:`.hooks.MARK`). This module imports neither vLLM nor torch at import time.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import os
+import textwrap
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sparseety.integrations.vllm.hooks import MARK, hook_off
+from sparseety.integrations.vllm.messages import (
+    AttentionLayer,
+    FinishedRequest,
+    FinishedStats,
+    ImplShape,
+    ServedConfig,
+)
+
+
+@dataclass(frozen=True)
+class Need:
+    """One vLLM internal a hook relies on: ``owner`` (``module:Class``, or ``module`` for a module-level
+    name) has ``name``; a method when ``params`` is given (its parameters after ``self``, or the first of
+    them with ``prefix``; with ``concrete`` not an abstract stub), else an attribute."""
+
+    hook: str
+    owner: str
+    name: str
+    params: tuple[str, ...] | None = None
+    prefix: bool = False
+    concrete: bool = False
+
+    @property
+    def dotted(self) -> str:
+        """``module.Class.name``: how a missing attribute is named in the warning."""
+        return f"{self.owner.replace(':', '.')}.{self.name}"
+
+    def label(self) -> str:
+        """How ``docs/vllm-internals.md`` names it (``Class.name(params)`` or ``Class.name``)."""
+        cls = self.owner.rpartition(":")[2] or self.owner
+        if self.params is None:
+            return f"{cls}.{self.name}"
+        return f"{cls}.{self.name}({', '.join(self.params)}{', ...' if self.prefix else ''})"
+
+
+# -- the declarations --------------------------------------------------------------------------------------
+OP = "vllm.v1.engine.output_processor:OutputProcessor"
+RS = "vllm.v1.engine.output_processor:RequestState"
+DETOK = "vllm.v1.engine.detokenizer:IncrementalDetokenizer"
+SPEC = "vllm.v1.metrics.stats:RequestSpecDecodeMetrics"
+SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+SOUT = "vllm.v1.core.sched.output:SchedulerOutput"
+REQ = "vllm.v1.request:Request"
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+STATS = "vllm.v1.metrics.stats"
+CONFIG = "vllm.config"
+IMPL = "attention backend impl (found at the first forward)"  #: the owner of :data:`IMPL_NEEDS`
+FORWARD_PARAMS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
+
+
+def _attrs(hook: str, owner: str, *names: str) -> tuple[Need, ...]:
+    return tuple(Need(hook, owner, name) for name in names)
+
+
+NEEDS: tuple[Need, ...] = (
+    # ranks first: the engine-core hooks route by it
+    Need("ranks", REQ, "__init__", ("request_id", "prompt_token_ids", "sampling_params", "pooling_params",
+                                    "client_index"), prefix=True),
+    *_attrs("ranks", REQ, "client_index"),
+    *_attrs("ranks", SOUT, "scheduled_new_reqs"),
+    *_attrs("ranks", "vllm.v1.core.sched.output:NewRequestData", "req_id"),
+    *_attrs("ranks", f"{CONFIG}:ParallelConfig", "_api_process_rank", "_api_process_count", "data_parallel_size"),
+    Need("prefill-chunks", SCHED, "_update_after_schedule", ("scheduler_output",)),
+    *_attrs("prefill-chunks", SCHED, "requests"),
+    *_attrs("prefill-chunks", SOUT, "num_scheduled_tokens"),
+    *_attrs("prefill-chunks", REQ, "num_computed_tokens", "num_prompt_tokens"),
+    Need("drafts", SCHED, "update_from_output", ("scheduler_output", "model_runner_output"), concrete=True),
+    *_attrs("drafts", SCHED, "requests", "num_sampled_tokens_per_step"),
+    *_attrs("drafts", SOUT, "scheduled_spec_decode_tokens"),
+    *_attrs("drafts", "vllm.v1.outputs:ModelRunnerOutput", "sampled_token_ids", "req_id_to_index"),
+    *_attrs("drafts", REQ, "num_tokens", "num_output_tokens", "is_finished", "num_stale_output_tokens",
+            "drop_stale_output"),
+    Need("kv-blocks", SCHED, "_free_request_blocks", ("request",), concrete=True),
+    *_attrs("kv-blocks", SCHED, "kv_cache_config", "kv_cache_manager"),
+    Need("kv-blocks", "vllm.v1.core.kv_cache_manager:KVCacheManager", "get_block_ids", ("request_id",)),
+    *_attrs("kv-blocks", "vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups"),
+    *_attrs("kv-blocks", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
+    *_attrs("kv-blocks", "vllm.v1.kv_cache_interface:KVCacheSpec", "page_size_bytes"),
+    *_attrs("kv-blocks", REQ, "request_id"),
+    Need("preemptions", OP, "_update_stats_from_output",
+         ("req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats")),
+    *_attrs("preemptions", "vllm.v1.engine:EngineCoreEventType", "PREEMPTED"),
+    *_attrs("preemptions", "vllm.v1.engine:EngineCoreOutput", "events"),
+    *_attrs("preemptions", "vllm.v1.engine:EngineCoreEvent", "type"),
+    *_attrs("preemptions", RS, "detokenizer"),
+    *_attrs("preemptions", DETOK, "num_output_tokens"),
+    Need("finished-requests", OP, "_update_stats_from_finished", ("req_state", "finish_reason", "iteration_stats")),
+    *_attrs("finished-requests", RS, "external_req_id", "request_id", "prompt_token_ids", "num_cached_tokens",
+            "detokenizer", "spec_decode_metrics"),
+    *_attrs("finished-requests", DETOK, "output_token_ids"),
+    *_attrs("finished-requests", SPEC, "per_step_drafted", "per_step_accepted", "num_draft_tokens", "histogram"),
+    Need("importance-rows", RUNNER, "_model_forward",
+         ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"), prefix=True),
+    *_attrs("importance-rows", RUNNER, "input_batch", "query_start_loc", "requests", "cache_config", "model",
+            "model_config"),
+    *_attrs("importance-rows", "vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids", "num_reqs"),
+    *_attrs("importance-rows", "vllm.v1.utils:CpuGpuBuffer", "np"),
+    *_attrs("importance-rows", "vllm.v1.worker.gpu_input_batch:CachedRequestState", "num_prompt_tokens",
+            "sampling_params", "prompt_token_ids"),
+    *_attrs("importance-rows", "vllm.sampling_params:SamplingParams", "extra_args"),
+    *_attrs("importance-rows", f"{CONFIG}:CacheConfig", "block_size"),
+    *_attrs("importance-rows", f"{CONFIG}:ModelConfig", "model"),
+    Need("importance-finish", RUNNER, "_on_request_state_removed", ("req_id", "req_state")),
+    *_attrs("importance-attention", "vllm.forward_context", "get_forward_context"),
+    *_attrs("importance-attention", "vllm.forward_context:ForwardContext", "no_compile_layers"),
+    *_attrs("importance-attention", "vllm.model_executor.layers.attention.attention:Attention", "layer_name",
+            "sliding_window", "impl"),
+    *_attrs("importance-attention", "vllm.distributed.parallel_state", "get_pp_group",
+            "get_tensor_model_parallel_world_size"),
+    *_attrs("importance-attention", "vllm.distributed.parallel_state:GroupCoordinator", "world_size"),
+    Need("stat-logger", "vllm.v1.metrics.loggers:StatLoggerBase", "__init__", ("vllm_config", "engine_index"),
+         prefix=True),
+    Need("stat-logger", "vllm.v1.metrics.loggers:StatLoggerBase", "record", ("scheduler_stats", "iteration_stats"),
+         prefix=True),
+    *_attrs("stat-logger", f"{STATS}:SchedulerStats", "prefix_cache_stats"),
+    *_attrs("stat-logger", f"{STATS}:PrefixCacheStats", "preempted_queries", "preempted_hits"),
+    *_attrs("stat-logger", f"{STATS}:IterationStats", "finished_requests"),
+    *_attrs("stat-logger", f"{STATS}:FinishedRequestStats", "request_id", "finish_reason", "num_cached_tokens",
+            "num_preemptions", "e2e_latency", "queued_time", "prefill_time", "decode_time", "inference_time"),
+    *_attrs("stat-logger", f"{CONFIG}:VllmConfig", "model_config", "cache_config", "speculative_config",
+            "parallel_config"),
+    *_attrs("stat-logger", f"{CONFIG}:ModelConfig", "served_model_name", "model", "tokenizer", "max_model_len",
+            "dtype"),
+    *_attrs("stat-logger", f"{CONFIG}:CacheConfig", "block_size", "enable_prefix_caching"),
+    *_attrs("stat-logger", f"{CONFIG}:SpeculativeConfig", "method", "num_speculative_tokens"),
+    *_attrs("kv-events", f"{CONFIG}:VllmConfig", "kv_events_config"),
+    *_attrs("kv-events", f"{CONFIG}:KVEventsConfig", "enable_kv_cache_events", "publisher", "endpoint"),
+)
+
+IMPL_NEEDS: tuple[Need, ...] = (
+    Need("importance-attention", IMPL, "forward", FORWARD_PARAMS, prefix=True),
+    *_attrs("importance-attention", IMPL, "num_heads", "num_kv_heads", "head_size", "scale", "logits_soft_cap",
+            "alibi_slopes", "sinks"),
+)
+
+#: hook -> (process it runs in, what is lost while it is off)
+HOOKS: dict[str, tuple[str, str]] = {
+    "ranks": ("engine core, API server", "every engine-core record goes to API server 0, as with one API "
+              "server: with `--api-server-count > 1` the other API servers' requests lack prefill chunks, draft "
+              "ids, KV bytes and important tokens"),
+    "prefill-chunks": ("engine core", "no `prefill_chunk` events"),
+    "drafts": ("engine core", "draft rows from vLLM's per-request counts only: `position` and `token_id` -1, no "
+               "rejected-draft marks in the report"),
+    "kv-blocks": ("engine core", "`kv_cache_bytes_peak` is None; the report says \"not reported\""),
+    "preemptions": ("API server", "no `preempted_at_output_tokens` or `recomputed` events (vLLM's preemption "
+                    "count still comes from the stat logger)"),
+    "finished-requests": ("API server", "no per-request records or token metrics"),
+    "importance-rows": ("worker", "no important tokens for vLLM requests (`extra_json.vllm.importance.status` "
+                        "is `not_sampled`); goes with `importance-finish` and `importance-attention`"),
+    "importance-finish": ("worker", "as `importance-rows`"),
+    "importance-attention": ("worker", "as `importance-rows`; a backend class whose own needs are missing "
+                             "records no importance for its layers"),
+    "stat-logger": ("API server", "an inert stat logger: the output hooks write the records alone, without "
+                    "vLLM's timings; no `preempted_recomputed_tokens`"),
+    "kv-events": ("API server", "no prefix-cache blocks (`SPARSEETY_KV_EVENTS=ENDPOINT` still subscribes)"),
+}
+
+
+def needs_of(hook: str) -> tuple[Need, ...]:
+    """The needs of ``hook`` checked at load, in order (the first missing one is named)."""
+    return tuple(n for n in NEEDS if n.hook == hook)
+
+
+# -- checking ----------------------------------------------------------------------------------------------
+def resolve(owner: str) -> Any:
+    """The class or module ``owner`` names (``module:Class`` or ``module``), or None when it is gone."""
+    module_name, _, cls = owner.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:
+        return None
+    return getattr(module, cls, None) if cls else module
+
+
+@functools.lru_cache(maxsize=256)
+def _assigned(cls: type) -> frozenset[str]:
+    """The names ``cls``'s own methods assign as ``self.<name>`` (from its source; empty without one)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+    return frozenset(names)
+
+
+def has_attribute(cls: Any, name: str) -> bool:
+    """Whether instances of ``cls`` have ``name``: a class attribute, property, method, field, slot or
+    annotation anywhere in its MRO, or a ``self.<name> = ...`` in one of its classes' methods."""
+    if not isinstance(cls, type):
+        return hasattr(cls, name)  # a module (or another object): what it holds now
+    mro = [k for k in cls.__mro__ if k is not object]
+    for klass in mro:
+        space = vars(klass)
+        slots = space.get("__slots__", ())
+        if (name in space or name in space.get("__annotations__", {})
+                or name in getattr(klass, "__struct_fields__", ()) or name in getattr(klass, "__dataclass_fields__", {})
+                or name in ([slots] if isinstance(slots, str) else slots)):
+            return True
+    return any(name in _assigned(klass) for klass in mro)
+
+
+def _method_problem(owner: Any, need: Need) -> str | None:
+    """Why ``owner.<need.name>`` is not the method ``need`` describes (None when it is)."""
+    fn = inspect.getattr_static(owner, need.name, None)
+    want = f"{owner.__name__}.{need.name}({', '.join(need.params or ())}{', ...' if need.prefix else ''})"
+    if not inspect.isfunction(fn) or (need.concrete and getattr(fn, "__isabstractmethod__", False)):
+        return want
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return f"{want} (it has no signature)"
+    names = tuple(signature.parameters)
+    params = need.params or ()
+    found = names[1 : len(params) + 1] if need.prefix else names[1:]
+    return None if found == params else f"{want} (it has {need.name}{signature})"
+
+
+def problem(need: Need, owner: Any = None, *, lookup: Callable[[str], Any] = resolve) -> str | None:
+    """What is missing for ``need`` (None when nothing is): the owner, the method or the attribute.
+    ``owner``: the class to look at (else ``lookup(need.owner)``)."""
+    owner = owner if owner is not None else lookup(need.owner)
+    if owner is None:
+        return need.owner.replace(":", ".")
+    if need.params is not None:
+        return _method_problem(owner, need)
+    if has_attribute(owner, need.name):
+        return None
+    return need.dotted if need.owner != IMPL else f"{getattr(owner, '__name__', type(owner).__name__)}.{need.name}"
+
+
+def check(hooks: Iterable[str] | None = None, *, loud: bool = True,
+          lookup: Callable[[str], Any] = resolve) -> dict[str, bool]:
+    """``hook -> on`` for ``hooks`` (default: all): a hook with a missing need is off, with one warning
+    naming it and the first missing need (at debug level when not ``loud``)."""
+    result = {}
+    for hook in hooks if hooks is not None else HOOKS:
+        missing = next((p for p in (problem(n, lookup=lookup) for n in needs_of(hook)) if p), None)
+        if missing is not None:
+            hook_off(hook, missing, loud=loud)
+        result[hook] = missing is None
+    return result
+
+
+def check_class(cls: type, needs: Iterable[Need] = IMPL_NEEDS, *, loud: bool = True) -> bool:
+    """Whether ``cls`` (found at run time, e.g. the attention backend) has ``needs``; one warning if not."""
+    for need in needs:
+        missing = problem(need, cls)
+        if missing is not None:
+            hook_off(need.hook, missing, loud=loud)
+            return False
+    return True
+
+
+def internals_table() -> str:
+    """The table of ``docs/vllm-internals.md``: per hook, where it runs, what it patches and reads, and
+    what is lost while it is off (generated from :data:`NEEDS` and :data:`IMPL_NEEDS`)."""
+    lines = ["| Hook | Runs in | Patched (checked at load) | Read at run time (checked at load) | Off means |",
+             "|---|---|---|---|---|"]
+    for hook, (where, off) in HOOKS.items():
+        needs = [n for n in (*NEEDS, *IMPL_NEEDS) if n.hook == hook]
+        patched = [f"`{n.label()}`" for n in needs if n.params is not None]
+        read: dict[str, list[str]] = {}
+        for n in needs:
+            if n.params is None:
+                read.setdefault(n.owner.rpartition(":")[2] or n.owner, []).append(f"`{n.name}`")
+        reads = "; ".join(f"{owner}: {', '.join(names)}" for owner, names in read.items())
+        lines.append(f"| `{hook}` | {where} | {', '.join(patched) or '-'} | {reads or '-'} | {off} |")
+    return "\n".join(lines)
+
+
+# -- patching ----------------------------------------------------------------------------------------------
+def installed(owner: Any, attr: str) -> bool:
+    """Whether ``owner.attr`` is already one of SparSEEty's wrappers (vLLM may load a plugin twice)."""
+    return getattr(inspect.getattr_static(owner, attr, None), MARK, None) is not None
+
+
+def patch(owner: Any, attr: str, hook: str, make: Callable[[Callable], Callable]) -> bool:
+    """Put ``make(original)`` in place of ``owner.attr`` (a wrapper that passes vLLM's call through to
+    ``original`` unchanged), marked as ``hook``'s; False when it is there already."""
+    if installed(owner, attr):
+        return False
+    original = inspect.getattr_static(owner, attr)
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARK, hook)
+    setattr(owner, attr, wrapper)
+    return True
+
+
+def arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    """Parameter ``name`` (the ``index``-th after ``self``) of a call vLLM made."""
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+# -- API server: the frontend's output loop ---------------------------------------------------------------
+_PREEMPTED = "_sparseety_preempted"  #: the marks SparSEEty keeps on a vLLM RequestState
+
+
+def is_preemption(event: Any, preempted: Any) -> bool:
+    return event.type == preempted
+
+
+def output_events(engine_core_output: Any) -> Any:
+    """The events of one ``EngineCoreOutput`` (None for most steps)."""
+    return getattr(engine_core_output, "events", None)
+
+
+def preempted_type() -> Any:
+    from vllm.v1.engine import EngineCoreEventType
+
+    return EngineCoreEventType.PREEMPTED
+
+
+def mark_preempted(req_state: Any) -> None:
+    """Note on ``req_state`` how many output tokens it had when vLLM preempted it."""
+    detok = req_state.detokenizer
+    marks = getattr(req_state, _PREEMPTED, None)
+    if marks is None:
+        marks = []
+        setattr(req_state, _PREEMPTED, marks)
+    marks.append(detok.num_output_tokens() if detok is not None else 0)
+
+
+def finished_request(req_state: Any, finish_reason: Any) -> FinishedRequest:
+    """What the frontend's ``RequestState`` knows of a finished request."""
+    detok = req_state.detokenizer
+    spec = req_state.spec_decode_metrics
+    return FinishedRequest(
+        request_id=req_state.external_req_id,
+        internal_id=req_state.request_id,
+        prompt_ids=list(req_state.prompt_token_ids or ()),
+        output_ids=list(detok.output_token_ids) if detok is not None else [],
+        text=getattr(detok, "output_text", "") or "",  # only a detokenizing request has text
+        num_cached_tokens=int(req_state.num_cached_tokens or 0),
+        preempted_at=list(getattr(req_state, _PREEMPTED, ())),
+        per_step_drafted=list(spec.per_step_drafted) if spec is not None and spec.per_step_drafted else None,
+        per_step_accepted=list(spec.per_step_accepted) if spec is not None and spec.per_step_accepted else None,
+        num_draft_tokens=int(spec.num_draft_tokens) if spec is not None else 0,
+        num_accepted_tokens=sum(j * c for j, c in enumerate(spec.histogram)) if spec is not None else 0,
+        finish_reason=reason(finish_reason),
+    )
+
+
+def reason(finish_reason: Any) -> str | None:
+    """vLLM's finish reason (an enum or a string) as lower-case text."""
+    if finish_reason is None:
+        return None
+    return finish_reason.name.lower() if hasattr(finish_reason, "name") else str(finish_reason).lower()
+
+
+# -- API server: the stat logger ---------------------------------------------------------------------------
+def stat_logger_base() -> type:
+    """vLLM's ``StatLoggerBase`` (ImportError, after one warning, when it is gone)."""
+    try:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+    except ImportError:
+        hook_off("stat-logger", "vllm.v1.metrics.loggers.StatLoggerBase")
+        raise
+    return StatLoggerBase
+
+
+def finished_stats(iteration_stats: Any) -> list[FinishedStats]:
+    """The requests one engine step finished, as vLLM's ``FinishedRequestStats`` tell them."""
+    if iteration_stats is None:
+        return []
+    return [FinishedStats(request_id=f.request_id, finish_reason=reason(f.finish_reason),
+                          num_cached_tokens=int(f.num_cached_tokens), num_preemptions=int(f.num_preemptions),
+                          timings={"e2e_s": float(f.e2e_latency), "queued_s": float(f.queued_time),
+                                   "prefill_s": float(f.prefill_time), "decode_s": float(f.decode_time),
+                                   "inference_s": float(f.inference_time)})
+            for f in iteration_stats.finished_requests]
+
+
+def recomputed_tokens(scheduler_stats: Any) -> int | None:
+    """Prompt tokens resumed (preempted) requests prefilled again in this step (None: no cache stats)."""
+    stats = getattr(scheduler_stats, "prefix_cache_stats", None)
+    if stats is None:
+        return None
+    return int(stats.preempted_queries) - int(stats.preempted_hits)
+
+
+def kv_endpoint(vllm_config: Any) -> str | None:
+    """The ZMQ endpoint vLLM publishes KV events on (None when it publishes none, or its config changed)."""
+    kv_events = getattr(vllm_config, "kv_events_config", None)
+    if kv_events is None:
+        return None
+    missing = [f for f in ("enable_kv_cache_events", "publisher", "endpoint") if not hasattr(kv_events, f)]
+    if missing:
+        hook_off("kv-events", f"{type(kv_events).__name__}.{missing[0]}")
+        return None
+    if kv_events.enable_kv_cache_events and kv_events.publisher == "zmq":
+        return str(kv_events.endpoint)
+    return None
+
+
+def api_server_index(parallel_config: Any) -> int:
+    """This API server's index among ``--api-server-count`` of them (vLLM's client index, which it
+    routes each request's outputs by; ``ParallelConfig._api_process_rank``, 0 with one API server)."""
+    index = getattr(parallel_config, "_api_process_rank", 0)
+    return int(index) if isinstance(index, int) and index > 0 else 0
+
+
+def served_name(model_config: Any) -> str:
+    """The name clients use for the model: ``--served-model-name`` (vLLM's first one). Without it vLLM
+    serves the model argument itself; when that is a local directory, the trace names the model by the
+    directory's name (a Hugging Face cache snapshot by its repository id), not the whole path."""
+    name = str(model_config.served_model_name or model_config.model)
+    path = str(model_config.model)
+    if name != path or not os.path.isdir(path):
+        return name
+    parts = os.path.normpath(path).split(os.sep)
+    for part in parts:
+        if part.startswith("models--"):  # .../hub/models--ORG--NAME/snapshots/REVISION
+            return part.removeprefix("models--").replace("--", "/")
+    return parts[-1] or name
+
+
+def served_config(vllm_config: Any, *, kv_events: bool = True) -> ServedConfig:
+    """What the stat logger records about the served model (``kv_events``: read the KV-event endpoint)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    spec = getattr(vllm_config, "speculative_config", None)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    return ServedConfig(
+        model=served_name(model_config),
+        tokenizer=str(getattr(model_config, "tokenizer", None) or model_config.model),
+        model_path=str(model_config.model),
+        block_size=cache_config.block_size if cache_config.enable_prefix_caching else None,
+        kv_endpoint=kv_endpoint(vllm_config) if kv_events else None,
+        data_parallel_size=dp,
+        api_server=api_server_index(parallel),
+        config={
+            "block_size": cache_config.block_size,
+            "enable_prefix_caching": bool(cache_config.enable_prefix_caching),
+            "speculative_method": getattr(spec, "method", None) if spec is not None else None,
+            "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec else None,
+            "max_model_len": model_config.max_model_len,
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "data_parallel_size": dp,
+            "api_server_count": int(getattr(parallel, "_api_process_count", 1) or 1),
+        },
+    )
+
+
+# -- engine core: the scheduler ----------------------------------------------------------------------------
+def prefill_chunks(scheduler: Any, scheduler_output: Any) -> list[list]:
+    """``[request id, first position, tokens]`` per prompt chunk this step schedules (read before vLLM
+    advances ``num_computed_tokens``)."""
+    chunks = []
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        start = request.num_computed_tokens
+        if start < request.num_prompt_tokens:
+            chunks.append([req_id, start, min(n, request.num_prompt_tokens - start)])
+    return chunks
+
+
+def owners_of(scheduler: Any, scheduler_output: Any, route: bool) -> list[list]:
+    """``[request id, client index]`` for the newly scheduled requests that an API server other than 0
+    owns (none with one API server: one attribute read per new request)."""
+    owners = []
+    for new in scheduler_output.scheduled_new_reqs:
+        client = client_of(scheduler.requests.get(new.req_id), route)
+        if client > 0:
+            owners.append([new.req_id, client])
+    return owners
+
+
+def client_of(request: Any, route: bool = True) -> int:
+    """The API server (client index) that owns ``request``: where vLLM sends its outputs (0 when
+    ``route`` is off: the ``ranks`` hook)."""
+    return int(getattr(request, "client_index", 0) or 0) if route else 0
+
+
+def scheduler_requests(scheduler: Any) -> Any:
+    """The scheduler's ``request id -> Request``."""
+    return scheduler.requests
+
+
+def request_id(request: Any) -> str:
+    return request.request_id
+
+
+def has_drafts(scheduler_output: Any) -> bool:
+    """Whether this step verifies speculative drafts (one dict check)."""
+    return bool(scheduler_output.scheduled_spec_decode_tokens)
+
+
+def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> list[list]:
+    """``[request id, step, first position, draft ids, accepted]`` for each request that verified drafts in
+    this step, read before vLLM's ``update_from_output`` appends the step's tokens.
+
+    The drafts follow the request's last token: the first one stands at position ``request.num_tokens``
+    (prompt plus output so far), ``step`` is the number of output tokens before this step (a decode
+    step's index, as in SparSEEty's own engine). The target model accepted the first ``accepted`` drafts
+    (its sampled ids minus the one token it samples itself), the rule vLLM's bookkeeping uses; requests
+    vLLM skips there (finished, aborted, stale after a preemption, no sampled ids) are skipped here too.
+    """
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if not spec:
+        return []
+    sampled = model_runner_output.sampled_token_ids
+    if not sampled:
+        return []
+    index = model_runner_output.req_id_to_index
+    per_step = getattr(scheduler, "num_sampled_tokens_per_step", 1)
+    records = []
+    for req_id, draft_ids in spec.items():
+        request = scheduler.requests.get(req_id)
+        if not draft_ids or request is None or request.is_finished():
+            continue
+        if getattr(request, "num_stale_output_tokens", 0) > 0 and getattr(request, "drop_stale_output", False):
+            continue
+        row = index.get(req_id)
+        if row is None or row >= len(sampled) or not len(sampled[row]):
+            continue
+        accepted = max(len(sampled[row]) - per_step, 0)
+        records.append([req_id, int(request.num_output_tokens), int(request.num_tokens),
+                        [int(t) for t in draft_ids], int(accepted)])
+    return records
+
+
+def blocks_of(scheduler: Any, request: Any) -> list[list]:
+    """``[[request id, bytes, blocks]]``: the KV-cache blocks ``request`` holds now and their bytes (per KV
+    cache group: its blocks times its page size times its layers), from vLLM's own block tables."""
+    config = scheduler.kv_cache_config
+    per_group = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    nbytes = blocks = 0
+    for group, ids in zip(config.kv_cache_groups, per_group, strict=False):
+        blocks += len(ids)
+        nbytes += len(ids) * int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    return [[request.request_id, nbytes, blocks]] if blocks else []
+
+
+# -- worker: the model runner and the attention backend ----------------------------------------------------
+def batch_requests(runner: Any) -> list[str]:
+    """The request ids of this forward's batch, in row order."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return list(batch.req_ids[:n]) if n else []
+
+
+def query_starts(runner: Any) -> Any:
+    """``query_start_loc`` as numpy ``[requests + 1]``: request ``i``'s rows are ``[starts[i], starts[i+1])``."""
+    return runner.query_start_loc.np
+
+
+def new_request(runner: Any, req_id: str) -> tuple[int, dict[str, Any]] | None:
+    """``(prompt length, extra args)`` of a request the runner holds (None when it holds none)."""
+    state = runner.requests.get(req_id)
+    if state is None:
+        return None
+    params = getattr(state, "sampling_params", None)
+    return int(state.num_prompt_tokens), dict(getattr(params, "extra_args", None) or {})
+
+
+def prompt_token_ids(runner: Any, req_id: str) -> list[int] | None:
+    state = runner.requests.get(req_id)
+    return None if state is None else list(state.prompt_token_ids)
+
+
+def block_size(runner: Any) -> int:
+    return int(runner.cache_config.block_size)
+
+
+def named_modules(runner: Any) -> dict[str, Any]:
+    return dict(runner.model.named_modules())
+
+
+def model_path(runner: Any) -> str:
+    """The served model's directory (vLLM's model argument)."""
+    return str(getattr(getattr(runner, "model_config", None), "model", "") or "")
+
+
+def impl_shape(impl: Any) -> ImplShape:
+    return ImplShape(num_heads=int(impl.num_heads), num_kv_heads=int(impl.num_kv_heads),
+                     head_size=int(getattr(impl, "head_size", 0) or 0), scale=float(impl.scale))
+
+
+def _variant(module: Any, impl: Any) -> str | None:
+    """What makes a layer's attention other than the plain causal softmax (None: nothing)."""
+    if getattr(module, "sliding_window", None) is not None:
+        return "a sliding window"
+    if getattr(impl, "logits_soft_cap", None):
+        return "a logit soft cap"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "sinks", None) is not None:
+        return "sinks"
+    return None
+
+
+def attention_layers() -> list[AttentionLayer]:
+    """The model's attention layers with their backend objects (inside vLLM's forward context)."""
+    from vllm.forward_context import get_forward_context
+
+    layers = []
+    for name, module in get_forward_context().no_compile_layers.items():
+        impl = getattr(module, "impl", None)
+        if impl is None or not all(hasattr(impl, a) for a in ("num_heads", "num_kv_heads", "scale")):
+            continue  # not an attention layer (MoE, Mamba, ...)
+        layers.append(AttentionLayer(name=name, impl=impl, variant=_variant(module, impl)))
+    return layers
+
+
+def layer_name(attn_layer: Any) -> str:
+    return getattr(attn_layer, "layer_name", "")
+
+
+def model_split() -> str | None:
+    """What splits the model over workers (tensor or pipeline parallelism), or None."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
+
+        tp, pp = get_tensor_model_parallel_world_size(), get_pp_group().world_size
+    except Exception:
+        return None  # no parallel state (one process): not split
+    parts = [f"{tp} tensor-parallel ranks" if tp > 1 else "", f"{pp} pipeline stages" if pp > 1 else ""]
+    return " and ".join(p for p in parts if p) or None

@@ -1,0 +1,123 @@
+"""In the API server: what the engine core's scheduler hooks send, kept per request until it finishes.
+
+The scheduler hooks (:mod:`.plugin`) send ``[kind, records]`` messages over this API server's scheduler
+channel (:func:`.channels.client_channel`). :class:`SchedulerConsumer` binds its PULL end in a thread
+and hands each message to :class:`RequestTable`, which keeps, per vLLM internal request id:
+
+- ``chunk``: ``[request id, first position, tokens]`` per prefill chunk -> :attr:`RequestTable.chunks`;
+- ``draft``: ``[request id, step, first position, draft ids, accepted]`` per verify step -> ``drafts``;
+- ``kv``: ``[request id, bytes, blocks]`` when vLLM frees the request's blocks -> ``kv_held`` (the peak);
+- ``owner``: ``[request id, API server]`` for requests another API server owns (API server 0 only) ->
+  ``owners`` (read by :class:`.importance_consumer.ImportanceConsumer` to forward important tokens).
+
+Every table is bounded (``4 x SPARSEETY_QUEUE_SIZE`` requests); the oldest request goes first and is
+counted in :attr:`RequestTable.dropped`. The finisher takes a request's entries when it writes its record.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger("sparseety.vllm")
+
+
+class RequestTable:
+    """The engine core's per-request records, by vLLM's internal request id (bounded)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  #: requests per table
+        self.chunks: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()  #: ``(first position, tokens)``
+        self.drafts: OrderedDict[str, list[tuple[int, int, list[int], int]]] = OrderedDict()
+        self.kv_held: OrderedDict[str, list[int]] = OrderedDict()  #: ``[peak bytes, peak blocks]``
+        self.owners: OrderedDict[str, list[int]] = OrderedDict()  #: ``[API server, start forwarded]``
+        self.dropped = 0  #: requests whose records were dropped (a table was full), or forwards that did not fit
+
+    def _entry(self, table: OrderedDict, req_id: str, empty: Any) -> Any:
+        """``table[req_id]``, created (``empty()``) if absent; the oldest request is dropped beyond the bound."""
+        entry = table.get(req_id)
+        if entry is None:
+            if len(table) >= self.limit:
+                table.popitem(last=False)
+                self.dropped += 1
+            entry = table[req_id] = empty()
+        return entry
+
+    def on_chunks(self, records: list) -> None:
+        for req_id, start, n in records:
+            self._entry(self.chunks, req_id, list).append((int(start), int(n)))
+
+    def on_drafts(self, records: list) -> None:
+        """``[request id, step, first position, draft ids, accepted]`` per verify step (``drafts`` hook)."""
+        for req_id, step, position, draft_ids, accepted in records:
+            self._entry(self.drafts, req_id, list).append(
+                (int(step), int(position), [int(t) for t in draft_ids], int(accepted)))
+
+    def on_kv_blocks(self, records: list) -> None:
+        """``[request id, bytes, blocks]`` when vLLM freed a request's blocks (``kv-blocks`` hook): the peak."""
+        for req_id, nbytes, blocks in records:
+            held = self._entry(self.kv_held, req_id, lambda: [0, 0])
+            held[0], held[1] = max(held[0], int(nbytes)), max(held[1], int(blocks))
+
+    def on_owners(self, records: list) -> None:
+        """``[request id, API server]`` for requests another API server owns (``owners``, API server 0)."""
+        for req_id, client in records:  # most are never sampled: the oldest simply go (not a loss)
+            self.owners.setdefault(str(req_id), [int(client), 0])
+            while len(self.owners) > self.limit:
+                self.owners.popitem(last=False)
+
+    def take(self, internal_id: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, list[int], int]],
+                                              list[int] | None]:
+        """``(chunks, drafts, kv held)`` of a finished request, forgetting them."""
+        return (self.chunks.pop(internal_id, []), self.drafts.pop(internal_id, []),
+                self.kv_held.pop(internal_id, None))
+
+
+class SchedulerConsumer:
+    """The thread that binds this API server's scheduler channel and fills a :class:`RequestTable`."""
+
+    def __init__(self, channel: str, table: RequestTable, stop: threading.Event) -> None:
+        self.channel = channel
+        self.table = table
+        self._stop = stop
+        self._handlers = {"chunk": table.on_chunks, "draft": table.on_drafts, "kv": table.on_kv_blocks,
+                          "owner": table.on_owners}
+        self.thread = threading.Thread(target=self._run, name="sparseety-vllm-chunks", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.channel)
+        except zmq.ZMQError:
+            log.exception("sparseety: cannot bind the prefill-chunk channel %s", self.channel)
+            return
+        decode = msgspec.msgpack.Decoder(tuple[str, list]).decode
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                kind, records = decode(sock.recv())
+                handler = self._handlers.get(kind)
+                if handler is not None:
+                    handler(records)
+        except Exception:
+            log.exception("sparseety: prefill-chunk receiver stopped")
+        finally:
+            sock.close(0)
+            if self.channel.startswith("ipc://"):
+                try:
+                    os.unlink(self.channel[len("ipc://"):])
+                except OSError:
+                    pass
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
