@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from sparseety.analysis.fidelity import Fidelity, fidelity, teacher_forced_logprobs
 from sparseety.analysis.quality import Quality, quality
 from sparseety.analysis.token_diff import TokenDiff, token_diff
+from sparseety.options import GenerationOptions, options_from
 
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput, RunResult, SparseEngine
     from sparseety.policies import Policy
-    from sparseety.policies.prune import PruneSchedule
 
 
 @dataclass
@@ -43,32 +43,33 @@ def dense_policy() -> Policy:
     return build_policy("dense")
 
 
-def compare(engine: SparseEngine, encoded: EncodedInput, policy: Policy, *, max_new_tokens: int = 64,
-            tier: int = 2, top_k: int = 16, speculative: int | None = None, seed: int = 0,
-            embeddings: bool = True, prune: PruneSchedule | None = None, attention_topk: int | None = None,
-            layers: str | None = None, min_score: float = 0.0, importance: str = "attention",
-            importance_weights: Any = None, on_phase: Callable[[str], None] | None = None) -> Comparison:
+def compare(engine: SparseEngine, encoded: EncodedInput, policy: Policy | None = None,
+            options: GenerationOptions | None = None, *, embeddings: bool = True,
+            on_phase: Callable[[str], None] | None = None, **fields: Any) -> Comparison:
     """Run dense and ``policy`` on ``encoded`` and measure the difference.
 
     Fidelity is teacher-forced along the dense output: both the dense and the sparse engine runs are
-    fed the dense tokens, so every step compares distributions over the same next token. ``prune`` and
-    ``attention_topk`` apply to the sparse side only; ``layers``, ``min_score``, ``importance`` and
-    ``importance_weights`` (how the traces score important tokens) to both traces.
+    fed the dense tokens, so every step compares distributions over the same next token. ``options``
+    (or its ``fields``, as in :meth:`SparseEngine.generate`; ``policy`` None builds the options' policy)
+    set both runs; ``speculative``, ``prune`` and ``attention_topk`` apply to the sparse side only, the
+    importance options (how the traces score important tokens) to both traces.
     ``on_phase`` is called after each of the four runs with its name (progress).
     """
     done = on_phase or (lambda _phase: None)
-    common = dict(max_new_tokens=max_new_tokens, tier=tier, top_k=top_k, seed=seed, layers=layers, min_score=min_score,
-                  importance=importance, importance_weights=importance_weights)
-    baseline = engine.generate(encoded, dense_policy(), **common)
+    options = options_from(options, **fields)
+    if policy is None:
+        policy = options.policy_for(encoded.compress_len or encoded.input_len)
+    dense = options.replace(speculative=None, prune=None, prune_opts={}, attention_topk=None)
+    baseline = engine.generate(encoded, dense_policy(), dense)
     done("dense baseline generated")
-    sparse = engine.generate(encoded, policy, speculative=speculative, prune=prune, attention_topk=attention_topk,
-                             **common)
+    sparse = engine.generate(encoded, policy, options)
     done(f"{policy.name} generated")
     targets = baseline.output_ids
-    dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=seed)
+    dense_lp = teacher_forced_logprobs(engine, encoded, dense_policy(), targets, seed=options.seed)
     done("dense teacher-forced")
-    sparse_lp = teacher_forced_logprobs(engine, encoded, policy, targets, seed=seed, prune=prune,
-                                        attention_topk=attention_topk)
+    sparse_lp = teacher_forced_logprobs(engine, encoded, policy, targets, seed=options.seed,
+                                        prune=options.prune_schedule(engine.num_layers),
+                                        attention_topk=options.attention_topk)
     done(f"{policy.name} teacher-forced")
     return Comparison(
         baseline=baseline,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
 from sparseety.errors import InputError, SparseetyError
+from sparseety.options import GenerationOptions
 from sparseety.ratio import StrictRatio
 from sparseety.request_json import Role, check_text_size, parse_json_object
 
@@ -60,8 +61,12 @@ class BatchItem:
     line: int
     request_id: str
     encoded: EncodedInput
-    policy: Policy
-    max_new_tokens: int
+    policy: Policy  #: ``options``' policy sized on ``encoded``
+    options: GenerationOptions  #: the flags' options with what the line sets
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens
 
 
 def read_batch_file(path: Path) -> list[tuple[int, BatchLine | str]]:
@@ -103,8 +108,18 @@ def _problem(err: dict[str, Any]) -> str:
     return f"{key}: {message}" if key else message
 
 
-def encode_item(n: int, line: BatchLine, inputs: RunInputs, tokenizer: Any, max_new_tokens: int,
-                default_id: str, max_positions: int | None = None) -> BatchItem:
+def line_options(line: BatchLine, defaults: GenerationOptions) -> GenerationOptions:
+    """The options of one line: ``defaults`` (the command's flags) with the line's ``policy``, ``budget`` or
+    ``ratio`` (a budget or ratio on the line replaces both of the flags') and ``max_new_tokens``."""
+    changes: dict[str, Any] = {"policy": line.policy or defaults.policy,
+                               "max_new_tokens": line.max_new_tokens or defaults.max_new_tokens}
+    if line.budget is not None or line.ratio is not None:
+        changes.update(budget=line.budget, ratio=line.ratio)
+    return defaults.replace(**changes)
+
+
+def encode_item(n: int, line: BatchLine, inputs: RunInputs, tokenizer: Any, default_id: str,
+                max_positions: int | None = None) -> BatchItem:
     """Encode one line with the flags' defaults; raises :class:`SparseetyError` naming what was wrong.
 
     Text that cannot fit in ``max_positions`` tokens is refused by its size in bytes, before tokenizing.
@@ -117,12 +132,13 @@ def encode_item(n: int, line: BatchLine, inputs: RunInputs, tokenizer: Any, max_
     else:
         check_text_size(len((line.prompt or "").encode()), "the prompt", max_positions)
         encoded = encode_prompt(tokenizer, line.prompt or "", inputs.chat)
-    policy = inputs.policy_for(encoded, name=line.policy or inputs.policy, budget=line.budget, ratio=line.ratio)
-    return BatchItem(n, line.request_id or default_id, encoded, policy, line.max_new_tokens or max_new_tokens)
+    options = line_options(line, inputs.generation_options())
+    policy = options.policy_for(encoded.compress_len or encoded.input_len)
+    return BatchItem(n, line.request_id or default_id, encoded, policy, options)
 
 
 def prepare(path: Path, lines: list[tuple[int, BatchLine | str]], inputs: RunInputs, tokenizer: Any,
-            max_new_tokens: int, new_id: Any, max_positions: int | None = None) -> tuple[list[BatchItem], list[str]]:
+            new_id: Any, max_positions: int | None = None) -> tuple[list[BatchItem], list[str]]:
     """Validated items and one error line per rejected line of ``lines`` (:func:`read_batch_file`);
     duplicate ids are rejected too."""
     items: list[BatchItem] = []
@@ -132,7 +148,7 @@ def prepare(path: Path, lines: list[tuple[int, BatchLine | str]], inputs: RunInp
         try:
             if isinstance(line, str):
                 raise InputError(line)
-            item = encode_item(n, line, inputs, tokenizer, max_new_tokens, new_id(), max_positions)
+            item = encode_item(n, line, inputs, tokenizer, new_id(), max_positions)
             if item.request_id in seen:
                 raise InputError(f"request_id {item.request_id!r} appears twice")
         except SparseetyError as exc:

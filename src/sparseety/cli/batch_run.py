@@ -23,12 +23,12 @@ from sparseety.errors import InputError, SparseetyError
 BAD_INPUT = 2
 
 
-def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens: int, trace_dir: Path, seed: int,
-                   as_json: bool, no_report: bool, redact: bool, ids_only: bool, sample_rate: float,
+def run_batch_file(path: Path, inputs: RunInputs, *, model: str, trace_dir: Path, as_json: bool, no_report: bool,
+                   redact: bool, ids_only: bool, sample_rate: float,
                    force_trace: bool, jsonl: Path | None, max_concurrency: int, prefill_chunk: int) -> None:
-    """Run every valid line of ``path`` as one batch; each bad line or failed request is reported alone."""
+    """Run every valid line of ``path`` as one batch; each bad line or failed request is reported alone
+    (``inputs``, checked, gives every line its default options)."""
     from sparseety.engine import SparseEngine
-    from sparseety.engine.request import GenerationOptions
     from sparseety.models import load_model
     from sparseety.store import trace_tier
     from sparseety.store.dataset import check_trace_dir
@@ -41,8 +41,7 @@ def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens:
         check_trace_dir(trace_dir)
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
-    items, errors = prepare(path, lines, inputs, tokenizer, max_new_tokens, lambda: uuid.uuid4().hex,
-                            engine.max_positions)
+    items, errors = prepare(path, lines, inputs, tokenizer, lambda: uuid.uuid4().hex, engine.max_positions)
     batch = engine.batch(max_batch=max_concurrency, prefill_chunk=prefill_chunk)
     queued = []
     stored = _stored_ids(trace_dir) if traced else set()
@@ -52,10 +51,8 @@ def run_batch_file(path: Path, inputs: RunInputs, *, model: str, max_new_tokens:
                           f"{trace_dir}: one id, one trace; give the line a new request_id (or none, and one is made)")
             continue
         tier = trace_tier(item.request_id, sample_rate, tier=inputs.tier, force=force_trace)
-        options = GenerationOptions(max_new_tokens=item.max_new_tokens, tier=tier, top_k=inputs.top_k, seed=seed,
-                                    **inputs.engine_options(engine.num_layers))
         try:
-            batch.add(item.encoded, item.policy, options, request_id=item.request_id)
+            batch.add(item.encoded, item.policy, item.options.replace(tier=tier), request_id=item.request_id)
         except SparseetyError as exc:  # InputError, or a ConfigError such as a learned policy without its file
             errors.append(f"{path} line {item.line}: {exc}")
             continue

@@ -41,6 +41,8 @@ def compare_cmd(
     tier: int = opt.TIER_OPT,
     top_k: int = opt.TOP_K_OPT,
     min_score: float = opt.MIN_SCORE_OPT,
+    importance: str = opt.IMPORTANCE_OPT,
+    importance_weights: Path | None = opt.IMPORTANCE_WEIGHTS_OPT,
     speculative: int | None = opt.SPECULATIVE_OPT,
     prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
@@ -62,7 +64,9 @@ def compare_cmd(
     from sparseety.threads import use_threads
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
-                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score)
+                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score,
+                       importance=importance, importance_weights=importance_weights, max_new_tokens=max_new_tokens,
+                       seed=seed, speculative=speculative)
     inputs.check()
     if tier >= 1:
         from sparseety.store.dataset import check_trace_dir
@@ -77,9 +81,7 @@ def compare_cmd(
     from sparseety.cli.progress import steps
 
     with steps(4, "compare", quiet=as_json) as progress:  # dense and sparse runs, then both teacher-forced
-        result = compare(engine, encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-                         speculative=speculative, seed=seed, on_phase=progress.advance,
-                         **inputs.engine_options(engine.num_layers))
+        result = compare(engine, encoded, kv_policy, inputs.generation_options(), on_phase=progress.advance)
     report_path, trace_error = _store(result, trace_dir, report) if tier >= 1 else (None, None)
     if as_json:
         document = result.to_json()

@@ -79,7 +79,8 @@ def run(
 
     inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
                        tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score,
-                       importance=importance, importance_weights=importance_weights)
+                       importance=importance, importance_weights=importance_weights, max_new_tokens=max_new_tokens,
+                       seed=seed, speculative=speculative)
     if batch_file is not None:
         from sparseety.cli.batch_run import run_batch_file
 
@@ -90,8 +91,8 @@ def run(
             raise InputError("--speculative cannot be combined with --batch-file: speculative decoding runs one "
                              "sequence at a time")
         use_threads(threads, quiet=as_json)
-        run_batch_file(batch_file, inputs, model=model, max_new_tokens=max_new_tokens, trace_dir=trace_dir,
-                       seed=seed, as_json=as_json, no_report=no_report, redact=redact, ids_only=ids_only,
+        run_batch_file(batch_file, inputs, model=model, trace_dir=trace_dir, as_json=as_json, no_report=no_report,
+                       redact=redact, ids_only=ids_only,
                        sample_rate=sample_rate, force_trace=force_trace, jsonl=jsonl,
                        max_concurrency=max_concurrency, prefill_chunk=prefill_chunk)
         return
@@ -114,10 +115,9 @@ def run(
                   quiet=as_json or max_new_tokens < 2 * DECODE_STEP) as decode:
         task = progress.add_task(f"prefill {encoded.input_len} tokens", total=engine.num_layers)
         result = engine.generate(
-            encoded, kv_policy, max_new_tokens=max_new_tokens, tier=tier, top_k=top_k,
-            speculative=speculative, seed=seed, request_id=request_id,
+            encoded, kv_policy, inputs.generation_options(tier=tier), request_id=request_id,
             on_prefill_layer=lambda layer, n: progress.update(task, completed=layer + 1),
-            streamer=DecodeProgress(decode), **inputs.engine_options(engine.num_layers),
+            streamer=DecodeProgress(decode),
         )
     stored = store_run(result, trace_dir, redact=redact, ids_only=ids_only, sample_rate=sample_rate,
                        jsonl=None if jsonl is None else Path(jsonl), report=not no_report)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
 from sparseety.errors import InputError
 from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.options import DEFAULT_IMPORTANCE, GenerationOptions, ImportanceMode, OptionError, default_of
 from sparseety.request_json import check_text_size
 
 if TYPE_CHECKING:
@@ -28,16 +29,16 @@ PROMPT_FILE_OPT = typer.Option(None, "--prompt-file", help="Read the prompt from
 CONTEXT_FILE_OPT = typer.Option(None, "--context-file", help="Long document, compressed by the policy.")
 QUESTION_OPT = typer.Option(None, "--question", help="Question about --context-file, never compressed.")
 CHAT_OPT = typer.Option(None, "--chat/--no-chat", help="Chat template (default: on for chat models).")
-POLICY_OPT = typer.Option("dense", "--policy", help="KV policy (see `sparseety policies list`).")
+POLICY_OPT = typer.Option(default_of("policy"), "--policy", help="KV policy (see `sparseety policies list`).")
 BUDGET_OPT = typer.Option(None, "--budget", help="Tokens kept per layer and KV head.")
 RATIO_OPT = typer.Option(None, "--ratio", help="Fraction of the context removed (kvpress compression_ratio).")
 POLICY_OPT_OPT = typer.Option([], "--policy-opt", help="Policy option key=value (repeatable).")
-MAX_NEW_TOKENS_OPT = typer.Option(64, "--max-new-tokens", help="Generation length limit.")
-TIER_OPT = typer.Option(2, "--tier", help="0 nothing, 1 counts, 2 tokens and events, 3 per-step vectors.")
-TOP_K_OPT = typer.Option(16, "--top-k", help="Important tokens per layer.")
+MAX_NEW_TOKENS_OPT = typer.Option(default_of("max_new_tokens"), "--max-new-tokens", help="Generation length limit.")
+TIER_OPT = typer.Option(default_of("tier"), "--tier", help="0 nothing, 1 counts, 2 tokens and events, 3 per-step vectors.")
+TOP_K_OPT = typer.Option(default_of("top_k"), "--top-k", help="Important tokens per layer.")
 SPECULATIVE_OPT = typer.Option(None, "--speculative", help="Draft N tokens per step by prompt lookup.")
 TRACE_DIR_OPT = typer.Option(Path("traces"), "--trace-dir", help="Where traces are written.")
-SEED_OPT = typer.Option(0, "--seed", help="Seed for seeded policies.")
+SEED_OPT = typer.Option(default_of("seed"), "--seed", help="Seed for seeded policies.")
 JSON_OPT = typer.Option(False, "--json", help="Print exactly one JSON object.")
 CONFIG_OPT = typer.Option(None, "--config", help="Run configuration YAML (see examples/run.yaml); flags override it.")
 PRUNE_SCHEDULE_OPT = typer.Option(
@@ -45,15 +46,15 @@ PRUNE_SCHEDULE_OPT = typer.Option(
     help="Token pruning, layer:fraction pairs: 8:0.3,16:0.5 drops 0.3 of the prompt tokens after layer 8, "
          "then 0.5 of those left after layer 16; 'default' = 0.3 at a quarter of the depth, 0.5 at half.")
 PRUNE_OPT_OPT = typer.Option([], "--prune-opt", help="Pruning option key=value: keep_recent, sinks, window.")
-LAYERS_OPT = typer.Option("all", "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29.")
+LAYERS_OPT = typer.Option(default_of("layers"), "--layers", help="Layers recording important tokens: all, auto or a list such as 0,15,29.")
 ATTENTION_TOPK_OPT = typer.Option(
     None, "--attention-topk", help="While decoding, attend only to the k highest-scoring held slots (any policy).")
 THREADS_OPT = typer.Option(None, "--threads", help="Torch threads running the model (default: cores - 1, at least 1).")
-MIN_SCORE_OPT = typer.Option(0.0, "--min-score", help="Drop important tokens scoring below this share of the top one.")
+MIN_SCORE_OPT = typer.Option(default_of("min_score"), "--min-score", help="Drop important tokens scoring below this share of the top one.")
 IMPORTANCE_OPT = typer.Option(
-    "value", "--importance", help="Important-token score: attention (α), value (α·‖v‖, attention sinks left out), "
+    DEFAULT_IMPORTANCE, "--importance", help="Important-token score: attention (α), value (α·‖v‖, attention sinks left out), "
     "output (α·‖W_O v‖, sinks left out) or learned (learned per-head weights, see --importance-weights). "
-    "Default value: see the README's faithfulness table.")
+    f"Default {DEFAULT_IMPORTANCE}: see the README's faithfulness table.")
 IMPORTANCE_WEIGHTS_OPT = typer.Option(
     None, "--importance-weights", help="With --importance learned: head weights from `sparseety learn-importance` "
     "(default: the weights shipped for the model).")
@@ -80,38 +81,54 @@ class RunInputs:
     context_file: Path | None = None
     question: str | None = None
     chat: bool | None = None
-    policy: str = "dense"
+    policy: str = default_of("policy")
     budget: int | None = None
     ratio: float | None = None
     policy_opt: list[str] = field(default_factory=list)
-    tier: int = 2
-    top_k: int = 16
+    tier: int = default_of("tier")
+    top_k: int = default_of("top_k")
     prune_schedule: str | None = None
     prune_opt: list[str] = field(default_factory=list)
-    layers: str = "all"
+    layers: str = default_of("layers")
     attention_topk: int | None = None
-    min_score: float = 0.0
-    importance: str = "value"  #: :data:`sparseety.extract.scoring.DEFAULT_MODE`
+    min_score: float = default_of("min_score")
+    importance: str = DEFAULT_IMPORTANCE
     importance_weights: Path | None = None  #: ``--importance-weights`` (``learned``)
-    options: dict[str, Any] = field(default_factory=dict, init=False)
+    max_new_tokens: int = default_of("max_new_tokens")
+    seed: int = default_of("seed")
+    speculative: int | None = None
+    options: dict[str, Any] = field(default_factory=dict, init=False)  #: ``--policy-opt`` parsed
 
     def check(self, *, need_source: bool = True) -> None:
-        """Validate sources, tier, top-k, policy name, budget and options before the model loads."""
-        from sparseety.policies import build_policy, parse_policy_opts, resolve_budget
+        """Validate sources and every generation option (:meth:`generation_options`) before the model loads."""
+        from sparseety.policies import parse_policy_opts
 
         sources = sum(x is not None for x in (self.prompt, self.prompt_file, self.context_file))
         if need_source and sources != 1:
             raise InputError("give exactly one of --prompt, --prompt-file or --context-file")
         if (self.context_file is None) != (self.question is None):
             raise InputError("--context-file and --question go together")
-        if self.tier not in (0, 1, 2, 3):
-            raise InputError(f"--tier must be 0, 1, 2 or 3, got {self.tier}")
-        if self.top_k <= 0:
-            raise InputError(f"--top-k must be positive, got {self.top_k}")
         self.options = parse_policy_opts(self.policy_opt)
         self._check_sparsity_extras()
-        # A ratio is checked against a large context; the real budget comes from the encoded input.
-        build_policy(self.policy, resolve_budget(self.budget, self.ratio, 1 << 20), self.options)
+        self.generation_options()
+
+    def generation_options(self, **changes: Any) -> GenerationOptions:
+        """The flags as :class:`~sparseety.options.GenerationOptions` (with ``changes``); a refused value is an
+        error naming its flag."""
+        from sparseety.policies import parse_policy_opts
+        from sparseety.policies.prune import parse_prune_opts
+
+        try:
+            return GenerationOptions(
+                policy=self.policy, budget=self.budget, ratio=self.ratio, policy_opts=parse_policy_opts(self.policy_opt),
+                max_new_tokens=self.max_new_tokens, tier=self.tier, top_k=self.top_k, min_score=self.min_score,
+                layers=self.layers, importance=cast(ImportanceMode, self.importance),  # checked on construction
+                importance_weights=self.importance_weights, speculative=self.speculative,
+                attention_topk=self.attention_topk, prune=self.prune_schedule, prune_opts=parse_prune_opts(self.prune_opt),
+                seed=self.seed,
+            ).replace(**changes)
+        except OptionError as exc:
+            raise exc.flag_error() from None
 
     def read_sources(self) -> tuple[str | None, str | None]:
         """``(prompt text, context text)``: exactly one is set."""
@@ -146,23 +163,14 @@ class RunInputs:
         return sized_policy(name or self.policy, budget, ratio, encoded.compress_len or encoded.input_len, self.options)
 
     def _check_sparsity_extras(self) -> None:
+        """The checks with command-line wording that come before :meth:`generation_options` (which checks the
+        values themselves): flags that need another, layer syntax, a damaged ``--importance-weights`` file."""
         from sparseety.engine.layers import parse_layers
-        from sparseety.policies.prune import parse_prune_opts
+        from sparseety.extract.head_weights import read_head_weights
 
         if self.prune_opt and self.prune_schedule is None:
             raise InputError("--prune-opt needs --prune-schedule")
-        self.prune_for()  # the schedule's syntax; its layers are checked against the model when it loads
-        parse_prune_opts(self.prune_opt)
         parse_layers(self.layers)
-        if self.attention_topk is not None and self.attention_topk <= 0:
-            raise InputError(f"--attention-topk must be a positive number of slots, got {self.attention_topk}")
-        if not 0.0 <= self.min_score < 1.0:
-            raise InputError(f"--min-score must be in [0, 1), got {self.min_score}")
-        from sparseety.extract.head_weights import read_head_weights
-        from sparseety.extract.scoring import MODES
-
-        if self.importance not in MODES:
-            raise InputError(f"--importance must be one of {', '.join(MODES)}, got {self.importance!r}")
         if self.importance_weights is not None:
             if self.importance != "learned":
                 raise InputError(f"--importance-weights needs --importance learned (got --importance {self.importance})")
@@ -175,9 +183,3 @@ class RunInputs:
         if self.prune_schedule is None:
             return None
         return parse_prune_schedule(self.prune_schedule, parse_prune_opts(self.prune_opt), num_layers)
-
-    def engine_options(self, num_layers: int) -> dict[str, Any]:
-        """Keyword arguments of ``SparseEngine.generate`` these flags set beside the policy."""
-        return {"prune": self.prune_for(num_layers), "layers": self.layers, "attention_topk": self.attention_topk,
-                "min_score": self.min_score, "importance": self.importance,
-                "importance_weights": self.importance_weights}
