@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class SparseetyError(Exception):
     """Base class of every error SparSEEty raises on purpose; the CLI prints it as ``error: ...``."""
@@ -37,3 +39,12 @@ class QueryLimitError(InputError):
     def __init__(self, message: str, limit: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class OutputSavedElsewhere(SparseetyError):
+    """A finished result could not be written where asked and was saved at ``fallback`` instead (the CLI
+    prints the message, which names both paths, as ``error: ...`` and exits with code 1)."""
+
+    def __init__(self, message: str, fallback: Path) -> None:
+        super().__init__(message)
+        self.fallback = fallback

@@ -45,16 +45,22 @@ def half_broken(tmp_path: Path) -> Path:
     return root
 
 
-def _unusable(tmp_path: Path, kind: str) -> tuple[Path, str]:
+def _unusable(tmp_path: Path, kind: str) -> tuple[str, str]:
     if kind == "file":
         path = tmp_path / "a-file"
         path.write_text("x")
-        return path, f"--trace-dir {path} is not a directory"
+        return str(path), f"--trace-dir {path} is not a directory"
+    if kind == "loop":  # os.path.exists says no, so a check that looked only at the parent let it through
+        path = tmp_path / "loop"
+        path.symlink_to(path)
+        return str(path), f"--trace-dir {path} is a symbolic link loop"
+    if kind == "empty":  # Path("") is the current folder: a dataset used to land there
+        return "", "Invalid value for '--trace-dir': is empty; give a directory"
     proc = Path("/proc/self/sparseety-traces")
-    return proc, f"--trace-dir {proc} cannot be created in /proc/self"
+    return str(proc), f"--trace-dir {proc} is inside /proc, a pseudo file system"
 
 
-@pytest.mark.parametrize("kind", ["file", "proc"])
+@pytest.mark.parametrize("kind", ["file", "proc", "loop", "empty"])
 @pytest.mark.parametrize("command", ["run", "batch", "compare", "serve"])
 def test_an_unusable_trace_dir_is_refused_before_the_model_loads(tmp_path: Path, kind: str, command: str):
     path, message = _unusable(tmp_path, kind)
@@ -63,7 +69,7 @@ def test_an_unusable_trace_dir_is_refused_before_the_model_loads(tmp_path: Path,
     args = {"run": ["run", "--prompt", "Hi"], "batch": ["run", "--batch-file", str(batch)],
             "compare": ["compare", "--prompt", "Hi", "--policy", "streaming", "--budget", "8"],
             "serve": ["serve"]}[command]
-    result = invoke(*args, "--model", NO_MODEL, "--trace-dir", str(path))
+    result = invoke(*args, "--model", NO_MODEL, "--trace-dir", path)
     assert result.exit_code == 2, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}")

@@ -11,6 +11,7 @@ marked complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,18 +19,29 @@ from collections.abc import Iterable
 from typing import Any
 
 from sparseety.errors import InputError
+from sparseety.output_paths import save_or_salvage
 
 
 def write_document(path: Path, document: dict[str, Any]) -> None:
-    """Write ``document`` to ``path`` atomically (a reader or a kill never sees half of it)."""
+    """Write ``document`` to ``path`` atomically (a reader or a kill never sees half of it).
+
+    When that fails (disk full, folder removed meanwhile) the document is saved elsewhere and
+    :class:`~sparseety.errors.OutputSavedElsewhere` names where (:func:`~sparseety.output_paths.save_or_salvage`).
+    """
+    save_or_salvage(path, lambda target: _write_json(target, document), what="the results so far"
+                    if document.get("complete") is False else "the result")
+
+
+def _write_json(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(json.dumps(document, indent=1), encoding="utf-8")
         os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"cannot write {path}: {exc}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def content_digest(path: Path, what: str) -> str:

@@ -12,7 +12,7 @@ from typer.core import TyperGroup
 
 from sparseety import __version__
 from sparseety.models.offline import offline_hint, resolve_offline
-from sparseety.errors import ModelLoadError, SparseetyError
+from sparseety.errors import ModelLoadError, OutputSavedElsewhere, SparseetyError
 
 class OneLineErrors(TyperGroup):
     """The root group: a command-line usage error (unknown option, value of the wrong type or out of
@@ -58,7 +58,8 @@ def fail(message: str, code: int = 2) -> None:
 
 def user_errors(fn: F) -> F:
     """Check every numeric flag's range (:mod:`sparseety.cli.bounds`), turn a :class:`SparseetyError` raised
-    by a command into an ``error:`` line and exit code 2, and print each store warning (a skipped damaged
+    by a command into an ``error:`` line and exit code 2 (1 for a result saved elsewhere, see
+    :func:`sparseety.output_paths.save_or_salvage`), and print each store warning (a skipped damaged
     file) once as a ``warning:`` line."""
 
     @functools.wraps(fn)
@@ -70,6 +71,8 @@ def user_errors(fn: F) -> F:
             check_bounds(kwargs)
             with collected(echo=True):
                 return fn(*args, **kwargs)
+        except OutputSavedElsewhere as exc:  # the work is kept, elsewhere: not a bad input
+            fail(str(exc), code=1)
         except ModelLoadError as exc:
             hint = offline_hint()
             fail(f"{exc} ({hint})" if hint and hint not in str(exc) else str(exc))

@@ -12,6 +12,7 @@ from rich.table import Table
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.lists import parse_list
+from sparseety.cli.output_opts import DIRECTORY, check_outputs, output_dir
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.models.registry import DEFAULT_MODEL
 from sparseety.run_file import with_run_file
@@ -31,7 +32,8 @@ def passkey_cmd(
     lengths: str = typer.Option("1000,2000", "--lengths", help="Comma-separated context lengths in tokens."),
     depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Comma-separated needle depths in [0, 1]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the cases (pass keys and text offsets)."),
-    out: Path = typer.Option(Path("bench-passkey"), "--out", help="Folder for passkey.json and passkey.png."),
+    out: Path = typer.Option(Path("bench-passkey"), "--out", help="Folder for passkey.json and passkey.png.",
+                             parser=output_dir, metavar="DIR"),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Answer length limit."),
     chat: bool | None = typer.Option(None, "--chat/--no-chat", help="Chat template (default: on for chat models)."),
@@ -54,6 +56,7 @@ def passkey_cmd(
                                             write_complete)
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
+    from sparseety.output_paths import save_or_salvage
     from sparseety.threads import use_threads
 
     names = parse_list(policies, "--policies", str)
@@ -72,6 +75,7 @@ def passkey_cmd(
     inputs = policy_file_inputs(options)
     if inputs:  # likewise: a run without policy files keeps the settings it always had
         settings["inputs"] = inputs
+    check_outputs("--out", out, DIRECTORY, ("passkey.json", "passkey.png"))  # before the model loads
     target = out / "passkey.json"
     finished = finished_results(target, "passkey", settings, PasskeyResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)
@@ -92,9 +96,10 @@ def passkey_cmd(
                              chat=chat, on_result=keep, engine_options=engine_options, finished=finished,
                              policy_options=options)
     document = write_complete(target, report.to_json(), settings)
-    plot_passkey(document, out / "passkey.png")
+    figure = save_or_salvage(out / "passkey.png", lambda path: plot_passkey(document, path), what="the figure",
+                             flag="--out")
     print_tables(document, Console())
-    Console().print(f"wrote {target} and {out / 'passkey.png'}")
+    Console().print(f"wrote {target} and {figure}")
 
 
 def print_tables(document: dict[str, Any], console: Console) -> None:

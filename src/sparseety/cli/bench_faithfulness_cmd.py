@@ -12,6 +12,7 @@ from rich.table import Table
 
 from sparseety.cli.app import user_errors
 from sparseety.cli.bench_cmd import bench_app
+from sparseety.cli.output_opts import DIRECTORY, check_outputs, output_dir
 from sparseety.cli.run_inputs import THREADS_OPT
 from sparseety.models.registry import DEFAULT_MODEL
 
@@ -25,7 +26,7 @@ def faithfulness_cmd(
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Length of the dense greedy answer (the target)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random ranking."),
-    out: Path = typer.Option(Path("bench-faithfulness"), "-o", "--out",
+    out: Path = typer.Option(Path("bench-faithfulness"), "-o", "--out", parser=output_dir, metavar="DIR",
                              help="Folder for faithfulness.json and faithfulness.png."),
     resume: bool = typer.Option(False, "--resume", help="Continue the unfinished run in --out without redoing its "
                                 "finished prompts (faithfulness.json is rewritten after every prompt)."),
@@ -52,6 +53,7 @@ def faithfulness_cmd(
     from sparseety.errors import ConfigError, InputError
     from sparseety.extract.head_weights import read_head_weights, shipped_head_weights
     from sparseety.models import load_model
+    from sparseety.output_paths import save_or_salvage
     from sparseety.threads import use_threads
 
     files = list(text) or default_texts()
@@ -63,6 +65,7 @@ def faithfulness_cmd(
                 "seed": seed, "inputs": input_contents(("--text", f) for f in files)}  # a changed passage is never reused
     if importance_weights is not None:
         read_head_weights(importance_weights)  # a damaged file is refused before the model loads
+    check_outputs("-o", out, DIRECTORY, ("faithfulness.json", "faithfulness.png"))  # before the model loads
     target = out / "faithfulness.json"
     finished = finished_results(target, "faithfulness", settings, FaithfulnessCase, resume=resume)
     lm, tokenizer = load_model(model)
@@ -97,12 +100,13 @@ def faithfulness_cmd(
         cases = run_faithfulness(engine, prompts, max_new_tokens=max_new_tokens, seed=seed, finished=finished,
                                  on_result=keep, head_weights=head)
     document = write_complete(target, report_document(model, FRACTIONS, cases, weights), settings)
-    plot_faithfulness(document, out / "faithfulness.png")
+    figure = save_or_salvage(out / "faithfulness.png", lambda path: plot_faithfulness(document, path),
+                             what="the figure", flag="-o")
     if as_json:
         print(json.dumps(document))
         return
     print_faithfulness(document, Console())
-    Console().print(f"wrote {target} and {out / 'faithfulness.png'}")
+    Console().print(f"wrote {target} and {figure}")
 
 
 def print_faithfulness(document: dict[str, Any], console: Console) -> None:

@@ -15,6 +15,7 @@ from sparseety.cli.bench_cmd import bench_app
 from sparseety.cli.bounds import MAX_LENGTH
 from sparseety.cli.run_inputs import THREADS_OPT
 from sparseety.cli.lists import parse_list
+from sparseety.cli.output_opts import DIRECTORY, check_outputs, output_dir
 from sparseety.models.registry import DEFAULT_MODEL
 
 
@@ -28,7 +29,8 @@ def ruler_cmd(
     lengths: str = typer.Option("1000,2000", "--lengths", help="Comma-separated context lengths in tokens."),
     cases: int = typer.Option(3, "--cases", help="Cases per task and length (each its own needle depth)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the cases (keys, values, words and text offsets)."),
-    out: Path = typer.Option(Path("bench-ruler"), "-o", "--out", help="Folder for ruler.json, ruler.png and ruler.html."),
+    out: Path = typer.Option(Path("bench-ruler"), "-o", "--out", help="Folder for ruler.json, ruler.png and ruler.html.",
+                             parser=output_dir, metavar="DIR"),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens",
                                               help="Answer length limit (default: each task's own, 16 to 48)."),
@@ -53,6 +55,7 @@ def ruler_cmd(
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
+    from sparseety.output_paths import save_or_salvage
     from sparseety.report import write_report
     from sparseety.threads import use_threads
 
@@ -75,6 +78,7 @@ def ruler_cmd(
     inputs = policy_file_inputs(options)
     if inputs:  # a changed policy file is never reused; a run without one keeps the settings it always had
         settings["inputs"] = inputs
+    check_outputs("-o", out, DIRECTORY, ("ruler.json", "ruler.png", "ruler.html"))  # before the model loads
     target = out / "ruler.json"
     finished = finished_results(target, "ruler", settings, RulerResult, resume=resume)  # before the model loads
     lm, tokenizer = load_model(model)
@@ -93,13 +97,13 @@ def ruler_cmd(
         report = run_ruler(engine, case_list, names, ratio_list, model=model, seed=seed, max_new_tokens=max_new_tokens,
                            chat=chat, options=options, on_result=keep, finished=finished)
     document = write_complete(target, report.to_json(), settings)
-    plot_ruler(document, out / "ruler.png")
-    page = write_report(target, out / "ruler.html")
+    figure = save_or_salvage(out / "ruler.png", lambda path: plot_ruler(document, path), what="the figure", flag="-o")
+    page = save_or_salvage(out / "ruler.html", lambda path: write_report(target, path), what="the report", flag="-o")
     if as_json:
         print(json.dumps(document))
         return
     print_ruler_tables(document, Console())
-    Console().print(f"wrote {target}, {out / 'ruler.png'} and {page}")
+    Console().print(f"wrote {target}, {figure} and {page}")
 
 
 def print_ruler_tables(document: dict[str, Any], console: Console) -> None:

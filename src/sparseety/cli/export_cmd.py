@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.output_opts import FILE, check_outputs, output_file
 from sparseety.cli.query_cmd import TRACE_DIR_HELP
 from sparseety.errors import InputError
 
@@ -17,7 +18,8 @@ from sparseety.errors import InputError
 def export_command(
     output_format: str = typer.Option("jsonl", "--format", help="jsonl (the only format)."),
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help=TRACE_DIR_HELP),
-    out: Path | None = typer.Option(None, "-o", "--output", help="Write here instead of stdout (missing folders are created)."),
+    out: Path | None = typer.Option(None, "-o", "--output", help="Write here instead of stdout (missing folders are "
+                                    "created).", parser=output_file, metavar="FILE"),
     table: list[str] = typer.Option([], "--table", help="Only this table (repeatable) [default: all four]."),
     request_id: str | None = typer.Option(None, "--request-id", help="Only this request's rows."),
 ) -> None:
@@ -28,11 +30,10 @@ def export_command(
     if output_format != "jsonl":
         raise InputError(f"--format must be jsonl, got {output_format!r}")
     tables = table or list(TABLES)
+    check_outputs("-o", out, FILE)  # before the dataset is read
     if out is None:
         export_jsonl(trace_dir, sys.stdout, tables=tables, request_id=request_id)
         return
-    if out.is_dir():
-        raise InputError(f"cannot write {out}: it is a directory; give a file name")
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # as report -o and tune --out do

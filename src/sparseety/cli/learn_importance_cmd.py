@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.output_opts import FILE, check_outputs, output_file
 from sparseety.cli.run_inputs import THREADS_OPT
 from sparseety.models.registry import DEFAULT_MODEL
 
@@ -18,7 +19,8 @@ from sparseety.models.registry import DEFAULT_MODEL
 def learn_importance_cmd(
     texts: list[Path] = typer.Argument(..., help="Training text files, one passage from each (never the texts "
                                        "you evaluate on)."),
-    out: Path = typer.Option(..., "-o", "--out", help="Weights file to write (JSON)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Weights file to write (JSON).", parser=output_file,
+                             metavar="FILE"),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
     feature: str = typer.Option("output", "--feature", help="Per-head score the weights multiply: attention, "
                                 "value or output."),
@@ -41,6 +43,7 @@ def learn_importance_cmd(
     from sparseety.analysis.learn_importance import learn_head_weights
     from sparseety.extract.scoring import FEATURES
     from sparseety.models import load_model
+    from sparseety.output_paths import save_or_salvage
     from sparseety.threads import use_threads
 
     if feature not in FEATURES:
@@ -50,6 +53,7 @@ def learn_importance_cmd(
         raise ConfigError(f"training text {missing[0]} is not a file")
     for text in texts:  # not UTF-8, or empty: refused before the model loads, never trained on
         read_passage_text(text, "training text")
+    check_outputs("-o", out, FILE)  # before the model loads: the fit is never lost to a bad path
     lm, tokenizer = load_model(model)
     engine = SparseEngine(lm, tokenizer, model)
     use_threads(threads, quiet=quiet or as_json)
@@ -61,7 +65,7 @@ def learn_importance_cmd(
                                      on_prompt=lambda row: progress.advance(
                                          f"{row.title} ({row.features.shape[-1]} tokens, {row.drops.numel()} deletions)"))
     weights.provenance["texts"] = [str(t) for t in texts]
-    weights.save(out)
+    save_or_salvage(out, weights.save, what="the weights", flag="-o")
     if as_json:
         print(json.dumps({"out": str(out), **weights.provenance}))
         return

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.output_opts import FILE, check_outputs, output_file
 from sparseety.cli.run_inputs import THREADS_OPT
 
 
@@ -19,7 +20,8 @@ from sparseety.cli.run_inputs import THREADS_OPT
 @user_errors
 def learn_policy_cmd(
     trace_dir: Path = typer.Argument(..., help="Trace dataset holding tier-3 traces (sparseety run --tier 3)."),
-    out: Path = typer.Option(..., "-o", "--out", help="Predictor file to write (safetensors)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Predictor file to write (safetensors).", parser=output_file,
+                             metavar="FILE"),
     model: str | None = typer.Option(None, "--model", help="Model to replay the prefills on (default: the one "
                                      "the traces name); traces of other models are ignored."),
     epochs: int = typer.Option(30, "--epochs", help="Passes over the training slots."),
@@ -51,6 +53,7 @@ def learn_policy_cmd(
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
+    from sparseety.output_paths import save_or_salvage
     from sparseety.threads import use_threads
 
     checks = [(epochs >= 1, f"--epochs must be at least 1, got {epochs}"),
@@ -65,6 +68,7 @@ def learn_policy_cmd(
             raise ConfigError(message)
     if out.suffix != ".safetensors":
         raise ConfigError(f"-o must name a .safetensors file, got {out}")
+    check_outputs("-o", out, FILE)  # before the model loads (both targets): the fit is never lost to a bad path
     if target not in ("attention", "kvzip"):
         raise ConfigError(f"--target must be attention or kvzip, got {target!r}")
     if target == "kvzip":
@@ -81,7 +85,7 @@ def learn_policy_cmd(
     config = TrainConfig(epochs=epochs, hidden=hidden, lr=lr, label=label, label_top=label_top, holdout=holdout,
                          max_examples=max_examples, seed=seed)
     result = learn(engine, examples, config, trace_dir=str(trace_dir), text_source=text_source, on_progress=say)
-    path = result.predictor.save(out)
+    path = save_or_salvage(out, result.predictor.save, what="the predictor", flag="-o")
     if as_json:
         print(json.dumps({"out": str(path), "metrics": result.metrics,
                           "provenance": result.predictor.provenance}, indent=2))
@@ -108,6 +112,7 @@ def _learn_kvzip(trace_dir: Path, out: Path, model: str | None, surrogate: str, 
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
+    from sparseety.output_paths import save_or_salvage
     from sparseety.policies.kvzap_model import SURROGATES
     from sparseety.threads import use_threads
 
@@ -125,7 +130,7 @@ def _learn_kvzip(trace_dir: Path, out: Path, model: str | None, surrogate: str, 
     config = KVzapConfig(surrogate=surrogate, hidden=hidden, epochs=epochs, lr=lr, holdout=holdout,
                          max_examples=max_examples, seed=seed)
     result = learn_kvzap(engine, contexts, config, trace_dir=str(trace_dir), text_source=text_source, on_progress=say)
-    path = result.surrogate.save(out)
+    path = save_or_salvage(out, result.surrogate.save, what="the surrogate", flag="-o")
     provenance = result.surrogate.provenance
     if as_json:
         print(json.dumps({"out": str(path), "heldout": result.per_layer, "heldout_mean": provenance["heldout_mean"],

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.output_opts import DIRECTORY, FILE, check_outputs, output_dir, output_file
 from sparseety.cli.query_cmd import SQL_MEMORY_OPT, SQL_THREADS_OPT, SQL_TIMEOUT_OPT, sql_limits
 
 
@@ -14,8 +15,10 @@ from sparseety.cli.query_cmd import SQL_MEMORY_OPT, SQL_THREADS_OPT, SQL_TIMEOUT
 @user_errors
 def report(
     trace: Path = typer.Argument(..., metavar="TRACE", help="Trace path, trace directory, or a `bench passkey` / `tune` JSON file."),
-    out: Path | None = typer.Option(None, "-o", "--out", help="HTML file to write (default: <trace dir>/reports/<id>.html)."),
-    png: Path | None = typer.Option(None, "--png", help="Also write the figures as PNG files into this directory."),
+    out: Path | None = typer.Option(None, "-o", "--out", help="HTML file to write (default: <trace dir>/reports/<id>.html).",
+                                    parser=output_file, metavar="FILE"),
+    png: Path | None = typer.Option(None, "--png", help="Also write the figures as PNG files into this directory.",
+                                    parser=output_dir, metavar="DIR"),
     layer: int | None = typer.Option(None, "--layer", help="Layer selected when the report opens (default: all layers)."),
     request_id: str | None = typer.Option(None, "--request-id", help="Which request of a trace directory (default: newest)."),
     sql_timeout: float | None = SQL_TIMEOUT_OPT,
@@ -30,6 +33,8 @@ def report(
     from sparseety.report.write import default_report_path, report_view, write_html
     from sparseety.store.sandbox import using
 
+    check_outputs("-o", out, FILE)  # before the trace is read
+    check_outputs("--png", png, DIRECTORY)
     with using(sql_limits(sql_timeout, sql_memory_limit, sql_threads)):  # reading the trace
         view, stored, json_source = report_view(trace, layer=layer, request_id=request_id)
     target = out if out is not None else default_report_path(stored, json_source)

@@ -13,6 +13,7 @@ from rich.progress import Progress
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.output_opts import FILE, check_outputs, output_file
 from sparseety.cli.progress import Steps, steps
 from sparseety.cli.run_inputs import RunInputs, read_text
 from sparseety.errors import InputError
@@ -58,7 +59,8 @@ def run(
     sample_rate: float = typer.Option(
         1.0, "--sample-rate", help="Fraction of request ids traced at --tier (by a stable hash); the rest at tier 1."),
     force_trace: bool = typer.Option(False, "--force-trace", help="Trace this request at tier 3 whatever the sample."),
-    jsonl: Path | None = typer.Option(None, "--jsonl", help="Also append this run's stored rows to FILE as JSONL."),
+    jsonl: Path | None = typer.Option(None, "--jsonl", help="Also append this run's stored rows to FILE as JSONL.",
+                                      parser=output_file, metavar="FILE"),
     batch_file: Path | None = typer.Option(
         None, "--batch-file", help="JSONL of requests (prompt or messages; optional policy, budget, ratio, "
         "max_new_tokens, request_id) run as one continuous batch; one trace each."),
@@ -81,6 +83,7 @@ def run(
                        tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score,
                        importance=importance, importance_weights=importance_weights, max_new_tokens=max_new_tokens,
                        seed=seed, speculative=speculative)
+    check_outputs("--jsonl", None if jsonl is None else Path(jsonl), FILE)  # before the model loads
     if batch_file is not None:
         from sparseety.cli.batch_run import run_batch_file
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
+from sparseety.cli.output_opts import output_dir
 from sparseety.errors import InputError
 from sparseety.models.registry import DEFAULT_MODEL
 from sparseety.options import DEFAULT_IMPORTANCE, GenerationOptions, ImportanceMode, OptionError, default_of
@@ -37,7 +38,8 @@ MAX_NEW_TOKENS_OPT = typer.Option(default_of("max_new_tokens"), "--max-new-token
 TIER_OPT = typer.Option(default_of("tier"), "--tier", help="0 nothing, 1 counts, 2 tokens and events, 3 per-step vectors.")
 TOP_K_OPT = typer.Option(default_of("top_k"), "--top-k", help="Important tokens per layer.")
 SPECULATIVE_OPT = typer.Option(None, "--speculative", help="Draft N tokens per step by prompt lookup.")
-TRACE_DIR_OPT = typer.Option(Path("traces"), "--trace-dir", help="Where traces are written.")
+TRACE_DIR_OPT = typer.Option(Path("traces"), "--trace-dir", help="Where traces are written.", parser=output_dir,
+                             metavar="DIR")
 SEED_OPT = typer.Option(default_of("seed"), "--seed", help="Seed for seeded policies.")
 JSON_OPT = typer.Option(False, "--json", help="Print exactly one JSON object.")
 CONFIG_OPT = typer.Option(None, "--config", help="Run configuration YAML (see examples/run.yaml); flags override it.")

@@ -16,6 +16,7 @@ from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.bounds import MAX_LENGTH
 from sparseety.cli.lists import parse_list
+from sparseety.cli.output_opts import FILE, check_outputs, output_file
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.run_file import with_run_file
 
@@ -47,7 +48,7 @@ def tune_cmd(
     prune_opt: list[str] = opt.PRUNE_OPT_OPT,
     attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
     out: Path | None = typer.Option(None, "--out", help="Write the tune JSON to this file (rewritten after every "
-                                    "evaluated budget)."),
+                                    "evaluated budget).", parser=output_file, metavar="FILE"),
     resume: bool = typer.Option(False, "--resume", help="Continue the unfinished tune in --out without "
                                 "re-evaluating its budgets."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr (as with --json)."),
@@ -97,6 +98,7 @@ def tune_cmd(
                                              ("--policy-opt model", inputs.options.get("model"))) if path]
     if files:  # a changed file is never reused on --resume; a tune without files keeps the settings it always had
         settings["inputs"] = input_contents((flag, Path(path)) for flag, path in files)
+    check_outputs("--out", out, FILE)  # before the model loads
     before = previous_run(out, "tune", settings, resume=resume) if out is not None else None
     known = {int(p["budget"]): float(p["value"]) for p in before["curve"]} if before else None
     lm, tokenizer = load_model(model)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import uuid
 from datetime import date
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparseety.errors import InputError, RecordError
+from sparseety.errors import RecordError
 from sparseety.schema import SCHEMA_VERSION
 from sparseety.store.commits import COMMITS_DIR, write_manifest
 from sparseety.store.tables import TABLES, file_schema
@@ -83,34 +81,16 @@ def open_dataset(path: str | Path) -> Path:
 def check_trace_dir(path: str | Path, *, what: str = "--trace-dir", min_free: int = MIN_FREE_BYTES) -> None:
     """Refuse, before any work, a trace directory a trace could not be written to.
 
-    ``path`` must be a directory, or not exist yet under a directory it can be created in; writable, by
-    really creating and removing a file (or folder) there: a read-only mount, an immutable folder or
-    ``/proc`` can pass ``os.access``; with ``min_free`` bytes free; and, when it is a dataset already,
-    one this version reads. Creates nothing. Raises :class:`InputError` (:class:`RecordError` for a
+    The shared output check (:func:`sparseety.output_paths.check_output`: a directory or one that can be created,
+    writable for real, not in ``/proc``, no symbolic link loop, ``min_free`` bytes free) and, when it is a dataset
+    already, one this version reads. Creates nothing. Raises :class:`InputError` (:class:`RecordError` for a
     newer dataset) naming ``what``, the path and the reason.
     """
-    root = Path(path)
-    if root.exists() and not root.is_dir():
-        raise InputError(f"{what} {root} is not a directory")
+    from sparseety.output_paths import DIRECTORY, check_output
+
+    root = check_output(path, DIRECTORY, what, min_free=min_free)
     if (root / MARKER).is_file():
         open_dataset(root)
-    probe = next(p for p in (root, *root.absolute().parents) if p.exists())
-    if not probe.is_dir():
-        raise InputError(f"{what} {root} cannot be created: {probe} is not a directory")
-    try:
-        if probe == root:
-            fd, name = tempfile.mkstemp(prefix=".sparseety-check-", dir=root)
-            os.close(fd)
-            os.unlink(name)
-        else:
-            os.rmdir(tempfile.mkdtemp(prefix=".sparseety-check-", dir=probe))
-        free = shutil.disk_usage(probe).free
-    except OSError as exc:
-        where = "is not writable" if probe == root else f"cannot be created in {probe}"
-        raise InputError(f"{what} {root} {where}: {exc.strerror or exc}") from None
-    if free < min_free:
-        raise InputError(f"{what} {root} has {free >> 20} MiB free, less than the {min_free >> 20} MiB "
-                         "it must have to take traces")
 
 
 def uses_commit_log(root: Path) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -44,20 +43,19 @@ class Settings:
 
 
 def check_trace_dir(path: str) -> str | None:
-    """Why ``path`` cannot hold traces (None when it can): created if absent, then written to for real."""
+    """Why ``path`` cannot hold traces (None when it can): the shared output check
+    (:func:`sparseety.output_paths.check_output`), then the folder is created."""
+    from sparseety.errors import InputError
+    from sparseety.output_paths import DIRECTORY, check_output
+
     name = f"SPARSEETY_TRACE_DIR={path!r}"
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{name} is not a directory"
     try:
+        check_output(path, DIRECTORY, "SPARSEETY_TRACE_DIR", name=name)
         os.makedirs(path, exist_ok=True)
+    except InputError as e:
+        return str(e)
     except OSError as e:
         return f"{name} cannot be created ({e.strerror or e})"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".sparseety-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return f"{name} is not writable ({e.strerror or e})"
     return None
 
 
