@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sparseety.models import load_model
+
+#: the session fixtures that load a real built-in model; a test that uses one (directly or through another
+#: fixture, e.g. ``real_trace`` or serve's ``engine``) gets the ``model`` marker, so ``-m "not model"`` skips it
+REAL_MODEL_FIXTURES = frozenset({"smollm", "smollm_engine", "gemma", "gemma_engine"})
+
+
+#: every test in this folder runs the real default model (or Gemma) end to end
+END_TO_END = Path(__file__).resolve().parent / "end_to_end"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or END_TO_END in Path(item.path).parents:
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
