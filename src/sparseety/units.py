@@ -12,8 +12,17 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 MAX_BYTES = 2**50  #: 1 PiB: anything larger is a typo
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-    """Bytes in ``text`` (an int, or a number with an optional unit); :class:`ConfigError` names ``what``."""
+def _size_words(n: int) -> str:
+    """``1 byte``, ``1 MiB``, ``1 PiB``: a limit as the messages state it."""
+    for unit, scale in (("PiB", 2**50), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return "1 byte" if n == 1 else f"{n} bytes"
+
+
+def parse_size(text: str | int, what: str = "size", minimum: int = 1) -> int:
+    """Bytes in ``text`` (an int, or a number with an optional unit), at least ``minimum``; :class:`ConfigError`
+    names ``what`` and the range the check applies."""
     if isinstance(text, bool):
         raise ConfigError(f"{what} must be a size such as 512MiB, got {text!r}")
     if isinstance(text, int):
@@ -24,6 +33,6 @@ def parse_size(text: str | int, what: str = "size") -> int:
         if match is None or unit not in _UNITS:
             raise ConfigError(f"{what} must be a size such as 512MiB, 2GiB or a number of bytes, got {text!r}")
         value = int(float(match.group(1)) * _UNITS[unit])
-    if not 1 <= value <= MAX_BYTES:
-        raise ConfigError(f"{what} must be between 1 byte and 1 PiB, got {text!r}")
+    if not minimum <= value <= MAX_BYTES:
+        raise ConfigError(f"{what} must be between {_size_words(minimum)} and {_size_words(MAX_BYTES)}, got {text!r}")
     return value

@@ -118,11 +118,26 @@ def test_a_query_under_its_limits_still_answers(root):
     ("--sql-timeout", "1e9", "error: --sql-timeout must be at most 86400.0, got 1000000000.0"),
     ("--sql-threads", "0", "error: --sql-threads must be at least 1, got 0"),
     ("--sql-memory-limit", "10KB", "error: --sql-memory-limit must be between 1 MiB and 1 PiB, got '10KB'"),
+    # 0 and 1 state the same minimum, the one the check applies
+    ("--sql-memory-limit", "0", "error: --sql-memory-limit must be between 1 MiB and 1 PiB, got '0'"),
+    ("--sql-memory-limit", "1", "error: --sql-memory-limit must be between 1 MiB and 1 PiB, got '1'"),
     ("--sql-memory-limit", "lots", "error: --sql-memory-limit must be a size such as 512MiB, 2GiB or a number of "
                                    "bytes, got 'lots'"),
 ])
 def test_bad_limits_are_one_error_line(root, flag, value, expected):
     assert_one_error(cli("query", "SELECT 1", "--trace-dir", str(root), flag, value), expected)
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--sql-memory-limit", "0", "error: --sql-memory-limit must be between 1 MiB and 1 PiB, got '0'"),
+    ("--sql-memory-limit", "1", "error: --sql-memory-limit must be between 1 MiB and 1 PiB, got '1'"),
+    ("--max-body-bytes", "0", "error: --max-body-bytes must be greater than or equal to 256, got 0"),
+])
+def test_serve_refusals_name_its_flags_and_the_limit_checked(flag, value, expected):
+    """Before the model loads: serve's flag (never ServeConfig's field name), with the minimum its check applies."""
+    result = cli("serve", flag, value)
+    assert result.exit_code == 2 and result.stderr.startswith(expected), result.stderr
+    assert "ServeConfig" not in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_sql_limits_validate_each_field():

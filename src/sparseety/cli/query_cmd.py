@@ -95,10 +95,11 @@ def sql_limits(timeout: float | None, memory_limit: str | None, threads: int | N
     ConfigError
         A value out of range, naming its flag.
     """
-    from sparseety.store.sandbox import CLI_LIMITS, SqlLimits, check_limits
+    from sparseety.store.sandbox import CLI_LIMITS, MIN_MEMORY, SqlLimits, check_limits
     from sparseety.units import parse_size
 
-    memory = CLI_LIMITS.memory_limit if memory_limit is None else parse_size(memory_limit, "--sql-memory-limit")
+    memory = CLI_LIMITS.memory_limit if memory_limit is None else parse_size(memory_limit, "--sql-memory-limit",
+                                                                             minimum=MIN_MEMORY)
     threads = CLI_LIMITS.threads if threads is None else threads
     timeout = CLI_LIMITS.timeout if timeout is None else timeout
     check_limits(memory, threads, timeout, ("--sql-memory-limit", "--sql-threads", "--sql-timeout"), memory_limit)

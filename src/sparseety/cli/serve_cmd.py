@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -12,6 +13,9 @@ from sparseety.cli.app import app, user_errors
 from sparseety.cli.output_opts import output_dir
 from sparseety.models.registry import DEFAULT_MODEL
 from sparseety.run_file import with_run_file
+
+if TYPE_CHECKING:
+    from sparseety.serve import ServeConfig
 
 
 @app.command("serve")
@@ -65,13 +69,12 @@ def serve(
     """Serve a model behind the OpenAI API with a sparse KV policy, Prometheus /metrics and sampled tracing."""
     from sparseety.errors import ConfigError
     from sparseety.policies import parse_policy_opts
-    from sparseety.serve import ServeConfig
     from sparseety.units import parse_size
 
     if trace_dir is None and (sample_rate is not None or redact or ids_only):
         raise ConfigError("--sample-rate, --redact and --ids-only apply to stored traces: give --trace-dir too")
 
-    serve_config = ServeConfig(
+    serve_config = _config_naming_flags(
         model=model, host=host, port=port, policy=policy, budget=budget, ratio=ratio,
         policy_opts=parse_policy_opts(policy_opt), trace_dir=trace_dir,
         sample_rate=0.05 if sample_rate is None else sample_rate, tier=tier,
@@ -102,3 +105,24 @@ def serve(
           f"{serve_config.torch_threads()} torch thread(s), tracing {'to ' + str(trace_dir) if trace_dir else 'off'})",
           file=sys.stderr, flush=True)
     serve_until_stopped(server_app, host=host, port=port, log_level=log_level)
+
+
+#: ``ServeConfig`` fields whose flag is not the field's name with dashes
+_FLAGS = {"policy_opts": "--policy-opt", "prune_opts": "--prune-opt"}
+
+
+def _config_naming_flags(**fields: Any) -> ServeConfig:
+    """``ServeConfig(**fields)``; a refusal names serve's flags (``--max-body-bytes``), never the config's fields."""
+    from sparseety.errors import ConfigError
+    from sparseety.serve import ServeConfig
+
+    try:
+        return ServeConfig(**fields)
+    except ConfigError as exc:
+        problems = []
+        for problem in str(exc).removeprefix(f"invalid {ServeConfig.__name__}: ").split("; "):
+            field = problem.split(" ", 1)[0]
+            if field in ServeConfig.model_fields:
+                problem = _FLAGS.get(field, "--" + field.replace("_", "-")) + problem[len(field):]
+            problems.append(problem)
+        raise ConfigError("; ".join(problems)) from None

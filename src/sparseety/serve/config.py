@@ -97,7 +97,7 @@ class ServeConfig(ValidatedConfig):
     def _sql_size(cls, value: Any) -> Any:
         from sparseety.units import parse_size
 
-        return parse_size(value, "sql_memory_limit")
+        return parse_size(value, "sql_memory_limit", minimum=1 << 20)  # the field's own minimum, stated once
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
