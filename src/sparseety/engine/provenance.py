@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import transformers
 
-from sparseety import __version__
+from sparseety.version import __version__
 from sparseety.policies.base import Policy
 from sparseety.schema import SCHEMA_VERSION
 
