@@ -197,3 +197,15 @@ def test_serve_stops_quietly_and_running_requests_get_a_clean_503(tmp_path, stop
     last_event, done = answers["stream"]
     assert json.loads(last_event.removeprefix("data: "))["error"]["code"] == "server_shutting_down"
     assert done == "data: [DONE]"
+
+
+def test_a_body_without_a_content_type_is_named(engine):
+    """No Content-Type header: the message names the request body and the header it needs, not a bare
+    "Input should be a valid dictionary"."""
+    with live_server(engine, max_tokens_limit=8) as srv:
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        response = httpx.post(f"{srv.url}/v1/completions", content=body, timeout=120)
+        assert "content-type" not in {k.lower() for k in response.request.headers}
+        error = error_of(response, 400, None)
+        assert "request body" in error["message"] and "Content-Type: application/json" in error["message"]
+        assert "no Content-Type" in error["message"] and "valid dictionary" not in error["message"]

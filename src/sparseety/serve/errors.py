@@ -50,7 +50,8 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
 TOKEN_COUNT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-def _describe_validation(exc: RequestValidationError, max_tokens_limit: int | None) -> tuple[str, str | None]:
+def _describe_validation(exc: RequestValidationError, max_tokens_limit: int | None,
+                         content_type: str | None = None) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -58,6 +59,10 @@ def _describe_validation(exc: RequestValidationError, max_tokens_limit: int | No
     param = _validation_param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if tuple(first.get("loc", ())) == ("body",):  # the body as a whole was not read as a JSON object
+        sent = "no Content-Type header" if content_type is None else f"Content-Type {content_type!r}"
+        return (f"the request body must be one JSON object sent with Content-Type: application/json; this request "
+                f"has {sent}"), None
     if param in TOKEN_COUNT_FIELDS and max_tokens_limit is not None:  # 1e20, "5", true: say the server's range
         return f"{param} must be an integer between 1 and {max_tokens_limit}, got {first.get('input')!r}", param
     message = str(first.get("msg", "invalid value"))
@@ -74,7 +79,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         state = getattr(request.app.state, "serve", None)
-        message, param = _describe_validation(exc, state.config.max_tokens_limit if state is not None else None)
+        message, param = _describe_validation(exc, state.config.max_tokens_limit if state is not None else None,
+                                              request.headers.get("content-type"))
         return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
