@@ -106,13 +106,13 @@ def test_texts_that_are_not_utf8_or_empty_are_refused_naming_the_argument(setup,
 def test_serve_config_resolves_and_refuses_weights(setup):
     engine = SparseEngine(build_model("llama"), build_tokenizer(), str(setup["llama"]))
     config = ServeConfig(importance="learned", importance_weights=setup["weights"])
-    options = config.engine_options(engine.num_layers, engine)
-    assert options["importance"] == "learned" and isinstance(options["importance_weights"], HeadWeights)
-    assert ServeConfig().engine_options(engine.num_layers)["importance"] == "attention"
+    options = config.generation_options(engine)
+    assert options.importance == "learned" and isinstance(options.importance_weights, HeadWeights)
+    assert ServeConfig().generation_options(engine).importance == "value"  # as from every door (issue 38)
     with pytest.raises(ValueError, match="importance_weights need importance 'learned'"):
         ServeConfig(importance="value", importance_weights=setup["weights"])
     qwen = SparseEngine(build_model("qwen2"), build_tokenizer(), "tiny-qwen2")
     with pytest.raises(ConfigError, match="this run uses model 'tiny-qwen2'"):
-        config.engine_options(qwen.num_layers, qwen)
+        config.generation_options(qwen)
     bad = CliRunner().invoke(app, ["serve", "--importance", "grad"])
     assert bad.exit_code == 2 and "importance" in bad.stderr

@@ -39,11 +39,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sparseety import __version__
 from sparseety.engine import SparseEngine
 from sparseety.errors import QueryLimitError, RecordError, SparseetyError
-from sparseety.policies import build_policy, resolve_budget
+from sparseety.options import GenerationOptions
 from sparseety.serve.auth import check_key, check_trace_access
 from sparseety.serve.config import ServeConfig
 from sparseety.serve.errors import APIError, error_body, install_error_handlers
-from sparseety.engine.request import GenerationOptions
 from sparseety.serve.engine_loop import EngineLoop, QueueFull, RequestSink
 from sparseety.serve.execution import (
     Outcome,
@@ -54,7 +53,7 @@ from sparseety.serve.execution import (
 )
 from sparseety.serve.limits import BodySizeLimit
 from sparseety.serve.metrics import ServeMetrics
-from sparseety.serve.planning import Plan, check_request_id, plan_request
+from sparseety.serve.planning import Plan, check_request_id, plan_request, request_options
 from sparseety.serve.request_ids import RequestIds, stored_request_ids
 from sparseety.serve.schemas import (
     ERROR_RESPONSES,
@@ -86,7 +85,7 @@ class ServerState:
     tracer: Tracer
     metrics: ServeMetrics
     created: int
-    engine_options: dict[str, Any]
+    options: GenerationOptions  #: every request's defaults (:meth:`ServeConfig.generation_options`)
     ids: RequestIds
     stopping: bool = field(default=False)
     _closed: bool = field(default=False)
@@ -134,14 +133,14 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
 
     Raises :class:`~sparseety.errors.ConfigError` for a bad default policy or tracing setup.
     """
-    build_policy(config.policy, resolve_budget(config.budget, config.ratio, 1 << 20), dict(config.policy_opts))
+    config.generation_options()  # the default policy, before the model loads
     tracer = Tracer(config)  # before the model loads: a bad tracing setup fails fast
     if engine is None:
         from sparseety.models import load_model
 
         model, tokenizer = load_model(config.model)
         engine = SparseEngine(model, tokenizer, config.model)
-    engine_options = config.engine_options(engine.num_layers, engine)
+    options = config.generation_options(engine)
     loop_ref: list[EngineLoop] = []
     metrics = ServeMetrics(lambda: loop_ref[0].running, lambda: loop_ref[0].waiting,
                            tracer.stats if tracer.enabled else None, reserved=lambda: loop_ref[0].batch.reserved_bytes)
@@ -158,7 +157,7 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
         on_fail=lambda _, failure: metrics.request_failed.labels(failure.stage).inc())
     loop_ref.append(engine_loop)
     stored = stored_request_ids(config.trace_dir) if tracer.enabled and config.trace_dir is not None else None
-    state = ServerState(config, engine, engine_loop, tracer, metrics, int(time.time()), engine_options,
+    state = ServerState(config, engine, engine_loop, tracer, metrics, int(time.time()), options,
                         RequestIds(stored))
 
     @contextlib.asynccontextmanager
@@ -273,8 +272,7 @@ async def _generate(state: ServerState, request: Request, body: ChatCompletionRe
             plan_request, body, state.engine, state.config, state.tracer, request_id=request_id, force_trace=force,
             arrival=arrival))
         config = state.config
-        options = GenerationOptions(max_new_tokens=plan.max_tokens, tier=plan.decision.tier, top_k=config.top_k,
-                                    seed=plan.seed, **state.engine_options)
+        options = request_options(state.options, plan)
         sink = RequestSink(state.engine.tokenizer, asyncio.get_running_loop(), stream=bool(body.stream))
         try:
             state.loop.submit(plan, sink, options)

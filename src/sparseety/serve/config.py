@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from sparseety.config import ValidatedConfig
 from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.options import GenerationOptions, ImportanceMode, default_of
 
 if TYPE_CHECKING:
     from sparseety.engine import SparseEngine
@@ -45,9 +46,12 @@ class ServeConfig(ValidatedConfig):
     prune_schedule, prune_opts : token pruning of every prompt (``"8:0.3,16:0.5"``, or ``default``).
     attention_topk : decode attends only to this many highest-scoring held slots, under any policy.
     layers : layers recording important tokens in traces: ``all``, ``auto`` or ``"0,15,29"``.
-    importance, importance_weights : the important-token score (``attention``, ``value``, ``output`` or
-        ``learned``, :mod:`sparseety.extract.scoring`; ``sparseety serve`` defaults to ``value``) and, for
-        ``learned``, the head-weights file (None: the weights shipped for the model), checked at start-up.
+    importance, importance_weights : the important-token score (``attention``, ``value`` (the default, as from
+        every door), ``output`` or ``learned``, :mod:`sparseety.extract.scoring`) and, for ``learned``, the
+        head-weights file (None: the weights shipped for the model), checked at start-up.
+
+    The generation settings are checked by :class:`~sparseety.options.GenerationOptions` (the one place
+    for them), the policy among them when the server starts (:meth:`generation_options`).
     sql_timeout, sql_memory_limit, sql_threads : bounds of each trace endpoint's DuckDB reads (seconds,
         bytes or ``"256MiB"``, threads; :class:`~sparseety.store.sandbox.SqlLimits`); past one: 503.
     """
@@ -55,14 +59,14 @@ class ServeConfig(ValidatedConfig):
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: StrictInt = Field(8000, ge=0, le=65535)
-    policy: str = "dense"
+    policy: str = default_of("policy")
     budget: StrictInt | None = Field(None, gt=0, le=1 << 20)
     ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
     policy_opts: dict[str, str] = Field(default_factory=dict)
     trace_dir: Path | None = None
     sample_rate: float = Field(0.05, ge=0, le=1, allow_inf_nan=False)
-    tier: StrictInt = Field(2, ge=1, le=3)
-    top_k: StrictInt = Field(16, gt=0, le=1 << 20)
+    tier: StrictInt = Field(default_of("tier"), ge=1, le=3)
+    top_k: StrictInt = Field(default_of("top_k"), gt=0, le=1 << 20)
     api_key: str | None = None
     max_concurrency: StrictInt = Field(8, ge=1, le=256)
     max_queue: StrictInt | None = Field(None, ge=0, le=100_000)
@@ -78,8 +82,8 @@ class ServeConfig(ValidatedConfig):
     prune_schedule: str | None = None
     prune_opts: dict[str, str] = Field(default_factory=dict)
     attention_topk: StrictInt | None = Field(None, gt=0, le=1 << 20)
-    layers: str = "all"
-    importance: Literal["attention", "value", "output", "learned"] = "attention"
+    layers: str = default_of("layers")
+    importance: ImportanceMode = default_of("importance")
     importance_weights: Path | None = None
     sql_timeout: float = Field(10.0, gt=0, le=86_400, allow_inf_nan=False)
     sql_memory_limit: StrictInt = Field(512 << 20, ge=1 << 20, le=1 << 50)
@@ -107,13 +111,20 @@ class ServeConfig(ValidatedConfig):
             raise ValueError("api_key is empty")
         if self.prune_opts and self.prune_schedule is None:
             raise ValueError("prune_opts need a prune_schedule")
-        if self.importance_weights is not None and self.importance != "learned":
-            raise ValueError(f"importance_weights need importance 'learned' (importance is {self.importance!r})")
         from sparseety.engine.layers import parse_layers
 
         parse_layers(self.layers)
-        self.prune_for()  # the schedule's syntax; its layers are checked against the model at start-up
+        GenerationOptions(**self._generation_fields(policy=False))  # a refusal is a ValueError: a validation error
         return self
+
+    def _generation_fields(self, *, policy: bool = True) -> dict[str, Any]:
+        fields: dict[str, Any] = dict(
+            tier=self.tier, top_k=self.top_k, layers=self.layers, importance=self.importance,
+            importance_weights=self.importance_weights, attention_topk=self.attention_topk,
+            prune=self.prune_schedule, prune_opts=dict(self.prune_opts), max_new_tokens=self.max_tokens_limit)
+        if policy:
+            fields.update(policy=self.policy, budget=self.budget, ratio=self.ratio, policy_opts=dict(self.policy_opts))
+        return fields
 
     def prune_for(self, num_layers: int = 30) -> PruneSchedule | None:
         """The pruning schedule (``default`` resolved against ``num_layers``), or None."""
@@ -123,17 +134,20 @@ class ServeConfig(ValidatedConfig):
             return None
         return parse_prune_schedule(self.prune_schedule, dict(self.prune_opts), num_layers)
 
-    def engine_options(self, num_layers: int, engine: SparseEngine | None = None) -> dict[str, Any]:
-        """Keyword arguments of ``SparseEngine.generate`` set for every request beside the policy (``learned``
-        weights read and checked against ``engine``'s model when it is given)."""
-        schedule = self.prune_for(num_layers)
+    def generation_options(self, engine: SparseEngine | None = None) -> GenerationOptions:
+        """Every request's defaults (a request body sets its policy, ``max_tokens``, tier and seed over them):
+        ConfigError for a bad default policy. With ``engine``, the pruning schedule is resolved against its
+        depth and ``learned`` weights are read once and checked against its model."""
+        options = GenerationOptions(**self._generation_fields())
+        if engine is None:
+            return options
+        schedule = options.prune_schedule(engine.num_layers)
         if schedule is not None:
-            schedule.check_layers(num_layers)
+            schedule.check_layers(engine.num_layers)
         weights: Any = self.importance_weights
-        if self.importance == "learned" and engine is not None:
+        if self.importance == "learned":
             weights = engine.head_weights(self.importance_weights)
-        return {"prune": schedule, "attention_topk": self.attention_topk, "layers": self.layers,
-                "importance": self.importance, "importance_weights": weights}
+        return options.replace(prune=schedule, prune_opts={}, importance_weights=weights)
 
     def torch_threads(self) -> int:
         """The engine loop's torch threads (see ``threads``): :func:`sparseety.threads.choose_threads`."""

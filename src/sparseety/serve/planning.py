@@ -14,6 +14,7 @@ from typing import Any
 from sparseety.engine import EncodedInput, SparseEngine, encode_messages, encode_prompt
 from sparseety.engine.scheduler import kv_limit_message
 from sparseety.errors import InputError, SparseetyError
+from sparseety.options import GenerationOptions
 from sparseety.policies import sized_policy
 from sparseety.policies.base import Policy
 from sparseety.request_json import check_text_size
@@ -42,6 +43,13 @@ class Plan:
     top_p: float | None
     arrival: float  #: ``time.perf_counter()`` when the request arrived
     arrival_ns: int  #: wall clock of the arrival, for spans
+
+
+def request_options(defaults: GenerationOptions, plan: Plan) -> GenerationOptions:
+    """One request's options: the server's ``defaults`` (:meth:`ServeConfig.generation_options`) with the
+    body's ``max_tokens``, the traced tier and the seed. The body's policy is ``plan.policy``, built from the
+    same defaults and the body's ``sparsity`` (:func:`plan_request`), and handed to the engine beside them."""
+    return defaults.replace(max_new_tokens=plan.max_tokens, tier=plan.decision.tier, seed=plan.seed)
 
 
 def check_request_id(value: str) -> str:
