@@ -77,9 +77,8 @@ def read_head_weights(path: str | Path) -> HeadWeights:
     ------
     ConfigError
         An unreadable or damaged file: not JSON, another format or version, a missing field, an unknown
-        ``feature``, ragged, negative or non-finite weights; or degenerate weights: all zero (every token
-        would score 0.0 and rank in position order) or all equal (no head weighs more than another, which
-        is no learned ranking).
+        ``feature``, ragged, negative or non-finite weights; or all-zero weights (every token would score 0.0
+        and rank in position order). Equal non-zero weights are accepted: they are the head-mean baseline.
     """
     source = Path(path)
     try:
@@ -111,10 +110,6 @@ def read_head_weights(path: str | Path) -> HeadWeights:
         raise ConfigError(f"importance weights {source}: every weight is 0, so --importance learned would score "
                           "every token 0.0 and rank them in position order; fit the file again with "
                           "`sparseety learn-importance`")
-    if len(values) == 1 and sum(len(r) for r in rows) > 1:
-        raise ConfigError(f"importance weights {source}: every weight is {rows[0][0]!r}, so no head weighs more than "
-                          "another and the file holds no learned ranking; fit it again with `sparseety "
-                          "learn-importance`")
     provenance = document.get("provenance")
     return HeadWeights(torch.tensor(rows, dtype=torch.float32), str(document["feature"]), str(document["model"]),
                        str(document["model_fingerprint"]), provenance if isinstance(provenance, dict) else {},
