@@ -29,6 +29,7 @@ def compared(tmp_path_factory):
     return json.loads(result.stdout), traces
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_compare_json_contract(compared):
     doc, _ = compared
     assert {"baseline", "sparse", "diff", "fidelity", "quality"} <= set(doc)
@@ -70,6 +71,7 @@ def test_analyze_bias_on_the_compared_run(compared):
     assert table.exit_code == 0 and "by token class" in table.stdout and "digits" in table.stdout
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_compare_human_summary(tmp_path: Path):
     result = invoke("compare", "--prompt", PROMPT, "--policy", "dense", "--max-new-tokens", "3", "--tier", "0")
     assert result.exit_code == 0, result.output
@@ -79,6 +81,7 @@ def test_compare_human_summary(tmp_path: Path):
     assert progress == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]  # one line per run on a pipe (quiet with --json)
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_tune_cli(tmp_path: Path):
     out = tmp_path / "tune.json"
     result = invoke("tune", "--prompt", PROMPT, "--policy", "streaming", "--metric", "top1_agreement",
@@ -96,6 +99,7 @@ def test_tune_cli(tmp_path: Path):
     assert answer["budget"] == 6 or (below and not below[0]["meets"])
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_analyze_bias_needs_tier_2(tmp_path: Path):
     run = invoke("run", "--prompt", PROMPT, "--policy", "streaming", "--budget", "10", "--max-new-tokens", "2",
                  "--tier", "1", "--trace-dir", str(tmp_path), "--json")

@@ -31,6 +31,7 @@ CHAT = AuditRequest(1, "chat", {"messages": [
 ]})
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_local_prompt_count_is_the_templated_conversation(tokenizer):
     ids = tokenizer.apply_chat_template(CHAT.body["messages"], tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
@@ -90,6 +91,7 @@ def test_bad_request_files(tmp_path, text, message):
     assert message in str(info.value)
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_unreachable_server_fails_fast_with_exit_2(tmp_path):
     from typer.testing import CliRunner
 

@@ -17,6 +17,7 @@ def invoke(*args: str):
     return CliRunner().invoke(app, ["bench", "passkey", *args])
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_passkey_bench_writes_json_table_and_plot(tmp_path: Path):
     result = invoke("--policies", "snapkv", "--ratios", "0.5", "--lengths", "600", "--depths", "0.5", "--seed", "0",
                     "--max-new-tokens", "12", "--out", str(tmp_path))

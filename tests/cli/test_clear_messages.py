@@ -83,6 +83,7 @@ def test_a_ratio_too_high_for_streaming_names_the_ratio_and_the_slots():
         sized_policy("streaming", 2, None, 12)  # a budget someone gave is still named as such
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_run_names_the_ratio_that_leaves_too_few_slots(tmp_path: Path):
     result = cli("run", "--prompt", "The quick brown fox jumps over the lazy dog again and again", "--no-chat",
                  "--policy", "streaming", "--ratio", "0.999", "--trace-dir", str(tmp_path))

@@ -14,6 +14,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "run.yaml"
 PROMPT = "List three colours of the rainbow and say which one has the longest wavelength, in one sentence."
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_the_documented_example_drives_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the example's output_file is relative
     result = CliRunner().invoke(app, ["run", "--config", str(EXAMPLE), "--prompt", PROMPT, "--max-new-tokens", "4",
@@ -31,6 +32,7 @@ def test_the_documented_example_drives_run(tmp_path, monkeypatch):
     assert {row.get("request_id") for row in rows} == {doc["request_id"]}       # logging.output_file
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_flags_override_the_file(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("sparsity: {policy: streaming, kv_cache_limit: 24}\nmodel: {max_new_tokens: 3}\n")

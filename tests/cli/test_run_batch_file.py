@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from sparseety.cli import app
@@ -27,6 +28,7 @@ def write(path: Path, lines: list) -> Path:
     return path
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_batch_file_runs_as_one_batch_and_equals_each_request_alone(tmp_path: Path):
     batch = write(tmp_path / "prompts.jsonl", LINES)
     result = invoke("--batch-file", str(batch), "--max-new-tokens", "6", "--trace-dir", str(tmp_path / "t"),
@@ -43,6 +45,7 @@ def test_a_batch_file_runs_as_one_batch_and_equals_each_request_alone(tmp_path: 
     assert json.loads(alone.stdout)["output_token_ids"] == docs[0]["output_token_ids"]
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_bad_lines_are_reported_alone_and_the_rest_run(tmp_path: Path):
     batch = write(tmp_path / "prompts.jsonl", [
         LINES[0],
@@ -75,6 +78,7 @@ def test_batch_file_flags_that_cannot_combine_are_refused(tmp_path: Path):
     assert result.exit_code == 2 and "holds no requests" in result.output
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_line_refused_by_the_engine_is_reported_alone_and_the_others_run(tmp_path: Path):
     """A line the model cannot run (more tokens than its context) is refused when it joins the batch."""
     batch = write(tmp_path / "prompts.jsonl", [
@@ -93,6 +97,7 @@ def test_a_line_refused_by_the_engine_is_reported_alone_and_the_others_run(tmp_p
     assert all(load_trace(tmp_path / "t", d["request_id"]).request_id == d["request_id"] for d in docs)
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_line_that_is_not_utf8_is_refused_alone(tmp_path: Path):
     batch = tmp_path / "prompts.jsonl"
     batch.write_bytes(b'\xef\xbb\xbf{"prompt": "Hi", "request_id": "first"}\n{"prompt": "caf\xe9"}\n'
@@ -104,6 +109,7 @@ def test_a_line_that_is_not_utf8_is_refused_alone(tmp_path: Path):
     assert [json.loads(line)["request_id"] for line in result.stdout.splitlines()] == ["first", "third"]
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_lines_the_server_would_refuse_are_refused(tmp_path: Path):
     """Roles and duplicate keys are checked as the server checks them (one shared definition)."""
     batch = write(tmp_path / "prompts.jsonl", [
@@ -124,6 +130,7 @@ def test_lines_the_server_would_refuse_are_refused(tmp_path: Path):
     assert [json.loads(line)["request_id"] for line in result.stdout.splitlines()] == ["colours"]
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_an_over_long_line_is_refused_by_its_size_before_tokenizing(tmp_path: Path):
     huge = "word " * 400_000  # 2,000,000 bytes: more than 128 bytes for each of the 8192 tokens of context
     batch = write(tmp_path / "prompts.jsonl", [{"prompt": huge}, {"messages": [{"role": "user", "content": huge}]},
@@ -138,6 +145,7 @@ def test_an_over_long_line_is_refused_by_its_size_before_tokenizing(tmp_path: Pa
     assert [json.loads(line)["request_id"] for line in result.stdout.splitlines()] == ["colours"]
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_request_that_fails_in_the_batch_is_reported_alone_and_the_others_are_traced(tmp_path: Path, monkeypatch):
     """A fault injected into one line's policy (its ``score`` raises mid-decode) fails that request only."""
     from dataclasses import dataclass
@@ -170,6 +178,7 @@ def test_a_request_that_fails_in_the_batch_is_reported_alone_and_the_others_are_
     assert all(load_trace(tmp_path / "t", d["request_id"]).request_id == d["request_id"] for d in docs)
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_request_id_the_store_holds_is_refused_as_the_server_refuses_it(tmp_path: Path):
     """One id, one trace: a line whose request_id is already stored is refused alone (the server answers 409),
     and the store keeps its one row for that id."""

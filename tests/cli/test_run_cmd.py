@@ -26,6 +26,7 @@ def invoke(*args: str):
     return CliRunner().invoke(app, ["run", *args])
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_json_contract_and_trace(tmp_path: Path):
     result = invoke("--prompt", "Name three colours.", "--policy", "streaming", "--budget", "16",
                     "--policy-opt", "sinks=2", "--max-new-tokens", "8", "--trace-dir", str(tmp_path), "--json")
@@ -51,6 +52,7 @@ def test_json_contract_and_trace(tmp_path: Path):
     assert (arrays["evicted.token_id"] == ids[arrays["evicted.position"]]).all()
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_ratio_resolves_budget_from_the_prompt(tmp_path: Path):
     result = invoke("--prompt", "Name three colours and three animals, please.", "--policy", "h2o", "--ratio", "0.5",
                     "--max-new-tokens", "4", "--tier", "1", "--trace-dir", str(tmp_path), "--json")
@@ -75,6 +77,7 @@ def test_ratio_resolves_budget_from_the_prompt(tmp_path: Path):
         (["--prompt", "hi", "--context-file", "x.txt", "--question", "q"], "exactly one of"),
     ],
 )
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_bad_input_is_a_clear_error(args: list[str], message: str):
     result = invoke(*args)
     assert result.exit_code == 2, result.output
@@ -82,6 +85,7 @@ def test_bad_input_is_a_clear_error(args: list[str], message: str):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_prompt_longer_than_the_context(tmp_path: Path):
     long_prompt = tmp_path / "long.txt"
     long_prompt.write_text("word " * 9000)
@@ -109,6 +113,7 @@ def _keep_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in {"HOME", "SPARSEETY_CACHE", "HF_HOME", "TMPDIR"}}
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_long_decode_reports_progress_on_stderr_and_json_stays_quiet(tmp_path: Path):
     args = ["--prompt", "Name three colours.", "--max-new-tokens", "40", "--trace-dir", str(tmp_path), "--no-report"]
     result = invoke(*args)
@@ -119,6 +124,7 @@ def test_a_long_decode_reports_progress_on_stderr_and_json_stays_quiet(tmp_path:
     assert quiet.exit_code == 0 and "decode (steps" not in quiet.stderr
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_an_over_long_prompt_file_is_refused_by_its_size_before_tokenizing(tmp_path: Path):
     huge = tmp_path / "huge.txt"
     huge.write_text("word " * 400_000)

@@ -92,6 +92,7 @@ def test_the_check_creates_nothing_and_wants_free_space(tmp_path: Path):
         check_trace_dir(tmp_path, min_free=1 << 40)
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_tier_0_needs_no_trace_dir():
     result = invoke("run", "--prompt", "Hi", "--tier", "0", "--max-new-tokens", "2", "--no-chat", "--json",
                     "--trace-dir", "/proc/self/sparseety-traces")
@@ -99,6 +100,7 @@ def test_tier_0_needs_no_trace_dir():
     assert json.loads(result.stdout)["trace_path"] is None
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_trace_that_fails_after_generating_still_prints_the_answer(half_broken: Path):
     args = ["run", "--prompt", "Name three colours.", "--max-new-tokens", "4", "--no-chat", "--trace-dir",
             str(half_broken)]
@@ -114,6 +116,7 @@ def test_a_trace_that_fails_after_generating_still_prints_the_answer(half_broken
     assert "warning: trace of " in table.stderr and " not written: [Errno 20] Not a directory" in table.stderr
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_batch_whose_traces_fail_prints_every_answer(tmp_path: Path, half_broken: Path):
     batch = tmp_path / "b.jsonl"
     batch.write_text('{"prompt": "Name three colours.", "request_id": "a"}\n{"prompt": "Hi", "request_id": "b"}\n')
@@ -128,6 +131,7 @@ def test_a_batch_whose_traces_fail_prints_every_answer(tmp_path: Path, half_brok
     assert all(d["trace_error"] in w for d, w in zip(docs, warnings))
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_a_comparison_whose_traces_fail_is_printed_anyway(half_broken: Path):
     result = invoke("compare", "--prompt", "Name three colours.", "--policy", "streaming", "--budget", "8",
                     "--max-new-tokens", "3", "--no-chat", "--json", "--trace-dir", str(half_broken))

@@ -48,6 +48,7 @@ def test_the_default_leaves_one_core_free():
         choose_threads(0)
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_run_sets_and_says_the_threads_it_chose(tmp_path: Path, torch_threads):
     args = ["run", "--prompt", "Hi", "--max-new-tokens", "2", "--no-chat", "--no-report", "--trace-dir", str(tmp_path)]
     torch.set_num_threads(2)

@@ -98,6 +98,7 @@ def test_trace_of_another_major_schema(real_trace, tmp_path: Path, version: str,
     assert f"schema version {version}, an {age} major version" in message
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_run_writes_a_report_unless_told_not_to(tmp_path: Path):
     args = ["run", "--prompt", "Name two colours.", "--policy", "streaming", "--budget", "16",
             "--max-new-tokens", "2", "--trace-dir", str(tmp_path)]

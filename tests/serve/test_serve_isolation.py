@@ -149,6 +149,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_serve_stops_quietly_and_running_requests_get_a_clean_503(tmp_path, stop):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -94,6 +94,7 @@ def _wait_healthy(url: str, server: subprocess.Popen, deadline_s: float = 180) -
     raise AssertionError("the server did not become healthy")
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_sigkill_mid_load_keeps_every_committed_trace(tmp_path):
     trace_dir, port = tmp_path / "traces", _free_port()
     url = f"http://127.0.0.1:{port}"

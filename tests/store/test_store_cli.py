@@ -172,6 +172,7 @@ def test_replay_needs_tier3(dataset):
     assert_bad_input(cli("replay", "--trace-dir", root, "--top-k", "0"), "top_k")
 
 
+@pytest.mark.model  # runs the real default model (through the command line)
 def test_run_force_trace_redact_and_sampling(tmp_path: Path):
     prompt = "Reply to bob@example.org about the invoice."
     forced = cli("run", "--prompt", prompt, "--max-new-tokens", "3", "--trace-dir", tmp_path, "--sample-rate", "0",
