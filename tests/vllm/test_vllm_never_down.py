@@ -353,8 +353,133 @@ def test_each_hook_checks_its_vllm_internal():
     _run(HOOKS, _vllm_version())
 
 
-# Changes vLLM's scheduler method in every process of the server, as a vLLM release could: it still works,
-# but no longer has the parameters the prefill-chunk hook was written for.
+# A vLLM class rebuilt from its own source with one name renamed, as a release could rename it: every
+# definition (``def name``, ``name: T = ...``, ``NAME = ...``) and every ``self.name`` in the class.
+RENAME = textwrap.dedent(r'''
+    import inspect, linecache, re, sys, textwrap, types
+
+    def rename_in(source, name):
+        pattern = re.compile(rf"(?<=\bself\.){re.escape(name)}\b|^(\s*(?:async\s+)?(?:def\s+)?){re.escape(name)}\b(?=\s*[:=(])",
+                             re.M)
+        return pattern.sub(lambda m: (m.group(1) or "") + name + "_renamed", source)
+
+    def renamed_class(cls, name):
+        """A copy of ``cls`` built from its source with ``name`` renamed (its module's names in scope)."""
+        source = textwrap.dedent(inspect.getsource(cls))
+        new = rename_in(source, name)
+        assert new != source, (cls, name)
+        new = "from __future__ import annotations\n" + new  # vLLM's modules defer their annotations too
+        module = sys.modules[cls.__module__]
+        fake = f"<{cls.__module__}.{cls.__qualname__} without {name}>"
+        copy = types.ModuleType(f"{cls.__module__}__without_{name}")
+        copy.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+        copy.__file__ = fake
+        linecache.cache[fake] = (len(new), None, new.splitlines(True), fake)
+        sys.modules[copy.__name__] = copy
+        exec(compile(new, fake, "exec"), copy.__dict__)
+        return copy.__dict__[cls.__name__]
+''')
+
+ATTRIBUTES = RENAME + textwrap.dedent('''
+    import logging, os, sys, types
+    version = sys.argv[1]
+    os.environ.update(SPARSEETY_KV_EVENTS="off")
+    os.environ.pop("SPARSEETY_TRACE_DIR", None)
+    from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("sparseety.vllm").addHandler(handler)
+    logging.getLogger("sparseety.vllm").setLevel(logging.INFO)
+
+    def off(hook, missing):
+        return f"sparseety: hook {hook} off: vLLM {version} has no {missing}; the other hooks stay on"
+
+    # the real vLLM has every declared need
+    assert all(adapter.check().values()) and seen == [], seen
+
+    # each need renamed in turn (an attribute, a method, a module-level function): exactly the hooks that
+    # rely on it are off, each with one warning naming it; every other hook stays on
+    done = set()
+    for need in adapter.NEEDS:
+        if (need.owner, need.name) in done:
+            continue
+        done.add((need.owner, need.name))
+        module_name, _, cls_name = need.owner.partition(":")
+        real = adapter.resolve(need.owner)
+        if cls_name:
+            changed = renamed_class(real, need.name)
+            lookup = lambda owner, key=need.owner, changed=changed: changed if owner == key else adapter.resolve(owner)
+        else:  # a module-level name: gone from the module
+            changed = types.ModuleType(module_name)
+            changed.__dict__.update({k: v for k, v in vars(real).items() if k != need.name})
+            lookup = lambda owner, key=need.owner, changed=changed: changed if owner == key else adapter.resolve(owner)
+        if need.params is None:
+            missing = need.dotted
+        else:
+            missing = f"{cls_name}.{need.name}({', '.join(need.params)}{', ...' if need.prefix else ''})"
+        seen.clear()
+        on = adapter.check(lookup=lookup)
+        # the hooks that rely on it, or on a method of the same class taking a parameter of that name
+        gone = [hook for hook in adapter.HOOKS if any(
+            n.owner == need.owner and (n.name == need.name or need.name in (n.params or ()))
+            for n in adapter.needs_of(hook))]
+        assert [hook for hook, ok in on.items() if not ok] == gone, (need, on)
+        # one warning per hook, naming it and the need (or a method whose signature the rename changed too,
+        # e.g. an ``__init__`` parameter of the same name, which the hook checks first)
+        assert len(seen) == len(gone), (need, seen)
+        for hook, line in zip(gone, seen):
+            assert line == off(hook, missing) or (
+                line.startswith(off(hook, "")[: -len("; the other hooks stay on")]) and need.name + "_renamed" in line
+            ), (need, line)
+    assert len(done) >= 100, len(done)
+    print("renamed", len(done), "needs")
+
+    # the attention backend's needs, checked on the class found at the first forward: renamed in turn,
+    # that class is left alone with one warning; a name vLLM's AttentionImplBase interface declares
+    # (``num_heads: int``) stays, by that declaration
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    for need in adapter.IMPL_NEEDS:
+        changed = renamed_class(CPUAttentionBackendImpl, need.name)
+        seen.clear()
+        declared = any(need.name in vars(base).get("__annotations__", {}) for base in changed.__mro__[1:])
+        if declared:
+            assert worker_hooks._wrap_impl(changed) and seen == [], (need, seen)
+            continue
+        assert not worker_hooks._wrap_impl(changed), need
+        missing = (f"CPUAttentionBackendImpl.forward({', '.join(need.params)}, ...)" if need.params
+                   else f"CPUAttentionBackendImpl.{need.name}")
+        assert seen == [off("importance-attention", missing)], (need, seen)
+        assert getattr(vars(changed).get("forward"), hooks.MARK, None) is None
+
+    # through the plugin's real register(): Request.num_computed_tokens renamed in vLLM's module -> the
+    # prefill-chunk hook is not installed, every other hook is
+    import vllm.v1.request as request_module
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.output_processor import OutputProcessor
+    real_request = request_module.Request
+    request_module.Request = renamed_class(real_request, "num_computed_tokens")
+    seen.clear()
+    plugin.register()
+    request_module.Request = real_request
+    assert seen == [off("prefill-chunks", "vllm.v1.request.Request.num_computed_tokens")], seen
+    mark = lambda cls, attr: getattr(vars(cls).get(attr), hooks.MARK, None)
+    assert mark(Scheduler, "_update_after_schedule") is None
+    assert mark(Scheduler, "update_from_output") == "drafts" and mark(Scheduler, "_free_request_blocks") == "kv-blocks"
+    assert mark(OutputProcessor, "_update_stats_from_finished") == "finished-requests"
+    print("ok")
+''')
+
+
+def test_each_attribute_renamed_turns_off_only_its_hooks():
+    _run(ATTRIBUTES, _vllm_version())
+
+
+# Changes vLLM in every process of the server, as a vLLM release could: the scheduler method still works,
+# but no longer has the parameters the prefill-chunk hook was written for; and ``PrefixCacheStats``'s
+# ``preempted_hits`` (read by the recomputed-tokens hook, used by vLLM only in its own module) is renamed
+# throughout that module, so vLLM works and that hook is off.
 SITECUSTOMIZE = textwrap.dedent('''
     import importlib.abc, sys
 
@@ -383,7 +508,31 @@ SITECUSTOMIZE = textwrap.dedent('''
             spec.loader.exec_module = exec_and_change
             return spec
 
+    class _Renamed(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "vllm.v1.metrics.stats":
+                return None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(name, path, target)
+                    if spec is not None:
+                        break
+            else:
+                return None
+
+            def exec_renamed(module):
+                import linecache, re
+                source = re.sub(r"\bpreempted_hits\b", "preempted_hits_renamed", open(spec.origin).read())
+                fake = spec.origin + ":renamed"
+                linecache.cache[fake] = (len(source), None, source.splitlines(True), fake)
+                module.__file__ = fake
+                exec(compile(source, fake, "exec"), module.__dict__)
+
+            spec.loader.exec_module = exec_renamed
+            return spec
+
     sys.meta_path.insert(0, _Changed())
+    sys.meta_path.insert(0, _Renamed())
 ''')
 
 
@@ -419,9 +568,12 @@ def test_vllm_serves_with_bad_settings_and_a_changed_internal(tmp_path):
     hook_line = (f"sparseety: hook prefill-chunks off: vLLM {_vllm_version()} has no "
                  "Scheduler._update_after_schedule(scheduler_output) (it has "
                  "_update_after_schedule(self, *args, **kwargs)); the other hooks stay on")
+    renamed_line = (f"sparseety: hook recomputed-tokens off: vLLM {_vllm_version()} has no "
+                    "vllm.v1.metrics.stats.PrefixCacheStats.preempted_hits; the other hooks stay on")
     lines = log.splitlines()
     assert lines.count(settings_line) == 1, [line for line in lines if "sparseety" in line]
     assert lines.count(hook_line) == 1, [line for line in lines if "sparseety" in line]
-    assert sorted(line for line in lines if "sparseety:" in line) == sorted([settings_line, hook_line])
+    assert lines.count(renamed_line) == 1, [line for line in lines if "sparseety" in line]
+    assert sorted(line for line in lines if "sparseety:" in line) == sorted([settings_line, hook_line, renamed_line])
     assert "Traceback" not in log, log[-4000:]
     assert not_a_dir.read_text() == "a file, not a directory"

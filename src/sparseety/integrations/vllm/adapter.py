@@ -133,7 +133,8 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("importance-attention", "vllm.forward_context", "get_forward_context"),
     *_attrs("importance-attention", "vllm.forward_context:ForwardContext", "no_compile_layers"),
     *_attrs("importance-attention", "vllm.model_executor.layers.attention.attention:Attention", "layer_name",
-            "sliding_window", "impl"),
+            "sliding_window"),
+    *_attrs("importance-attention", "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase", "impl"),
     *_attrs("importance-attention", "vllm.distributed.parallel_state", "get_pp_group",
             "get_tensor_model_parallel_world_size"),
     *_attrs("importance-attention", "vllm.distributed.parallel_state:GroupCoordinator", "world_size"),
@@ -141,23 +142,23 @@ NEEDS: tuple[Need, ...] = (
          prefix=True),
     Need("stat-logger", "vllm.v1.metrics.loggers:StatLoggerBase", "record", ("scheduler_stats", "iteration_stats"),
          prefix=True),
-    *_attrs("stat-logger", f"{STATS}:SchedulerStats", "prefix_cache_stats"),
-    *_attrs("stat-logger", f"{STATS}:PrefixCacheStats", "preempted_queries", "preempted_hits"),
-    *_attrs("stat-logger", f"{STATS}:IterationStats", "finished_requests"),
-    *_attrs("stat-logger", f"{STATS}:FinishedRequestStats", "request_id", "finish_reason", "num_cached_tokens",
-            "num_preemptions", "e2e_latency", "queued_time", "prefill_time", "decode_time", "inference_time"),
     *_attrs("stat-logger", f"{CONFIG}:VllmConfig", "model_config", "cache_config", "speculative_config",
             "parallel_config"),
     *_attrs("stat-logger", f"{CONFIG}:ModelConfig", "served_model_name", "model", "tokenizer", "max_model_len",
             "dtype"),
     *_attrs("stat-logger", f"{CONFIG}:CacheConfig", "block_size", "enable_prefix_caching"),
     *_attrs("stat-logger", f"{CONFIG}:SpeculativeConfig", "method", "num_speculative_tokens"),
+    *_attrs("finished-stats", f"{STATS}:IterationStats", "finished_requests"),
+    *_attrs("finished-stats", f"{STATS}:FinishedRequestStats", "request_id", "finish_reason", "num_cached_tokens",
+            "num_preemptions", "e2e_latency", "queued_time", "prefill_time", "decode_time", "inference_time"),
+    *_attrs("recomputed-tokens", f"{STATS}:SchedulerStats", "prefix_cache_stats"),
+    *_attrs("recomputed-tokens", f"{STATS}:PrefixCacheStats", "preempted_queries", "preempted_hits"),
     *_attrs("kv-events", f"{CONFIG}:VllmConfig", "kv_events_config"),
     *_attrs("kv-events", f"{CONFIG}:KVEventsConfig", "enable_kv_cache_events", "publisher", "endpoint"),
 )
 
 IMPL_NEEDS: tuple[Need, ...] = (
-    Need("importance-attention", IMPL, "forward", FORWARD_PARAMS, prefix=True),
+    Need("importance-attention", IMPL, "forward", FORWARD_PARAMS, prefix=True, concrete=True),
     *_attrs("importance-attention", IMPL, "num_heads", "num_kv_heads", "head_size", "scale", "logits_soft_cap",
             "alibi_slopes", "sinks"),
 )
@@ -180,7 +181,10 @@ HOOKS: dict[str, tuple[str, str]] = {
     "importance-attention": ("worker", "as `importance-rows`; a backend class whose own needs are missing "
                              "records no importance for its layers"),
     "stat-logger": ("API server", "an inert stat logger: the output hooks write the records alone, without "
-                    "vLLM's timings; no `preempted_recomputed_tokens`"),
+                    "vLLM's timings, the served model's name or KV events; no `preempted_recomputed_tokens`"),
+    "finished-stats": ("API server", "the output hooks write the records alone, without vLLM's timings and "
+                       "engine index"),
+    "recomputed-tokens": ("API server", "no `sparseety:preempted_recomputed_tokens`"),
     "kv-events": ("API server", "no prefix-cache blocks (`SPARSEETY_KV_EVENTS=ENDPOINT` still subscribes)"),
 }
 
@@ -224,11 +228,13 @@ def has_attribute(cls: Any, name: str) -> bool:
     mro = [k for k in cls.__mro__ if k is not object]
     for klass in mro:
         space = vars(klass)
-        slots = space.get("__slots__", ())
-        if (name in space or name in space.get("__annotations__", {})
-                or name in getattr(klass, "__struct_fields__", ()) or name in getattr(klass, "__dataclass_fields__", {})
-                or name in ([slots] if isinstance(slots, str) else slots)):
+        if name in space:
             return True
+        for key in ("__annotations__", "__struct_fields__", "__dataclass_fields__", "__slots__"):
+            held = space.get(key)  # the class's own (a base's may be a descriptor, e.g. msgspec.Struct's)
+            held = (held,) if isinstance(held, str) else held
+            if isinstance(held, (dict, tuple, list, frozenset, set)) and name in held:
+                return True
     return any(name in _assigned(klass) for klass in mro)
 
 
@@ -287,8 +293,8 @@ def check_class(cls: type, needs: Iterable[Need] = IMPL_NEEDS, *, loud: bool = T
 def internals_table() -> str:
     """The table of ``docs/vllm-internals.md``: per hook, where it runs, what it patches and reads, and
     what is lost while it is off (generated from :data:`NEEDS` and :data:`IMPL_NEEDS`)."""
-    lines = ["| Hook | Runs in | Patched (checked at load) | Read at run time (checked at load) | Off means |",
-             "|---|---|---|---|---|"]
+    lines = ["| Hook | Runs in | Methods (patched or called; name and parameters checked) | Attributes read at run "
+             "time (checked) | Off means |", "|---|---|---|---|---|"]
     for hook, (where, off) in HOOKS.items():
         needs = [n for n in (*NEEDS, *IMPL_NEEDS) if n.hook == hook]
         patched = [f"`{n.label()}`" for n in needs if n.params is not None]
@@ -298,6 +304,12 @@ def internals_table() -> str:
                 read.setdefault(n.owner.rpartition(":")[2] or n.owner, []).append(f"`{n.name}`")
         reads = "; ".join(f"{owner}: {', '.join(names)}" for owner, names in read.items())
         lines.append(f"| `{hook}` | {where} | {', '.join(patched) or '-'} | {reads or '-'} | {off} |")
+    owners = sorted({n.owner for n in NEEDS}, key=lambda o: (o.rpartition(":")[2] or o).lower())
+    lines += ["", f"{len(NEEDS) + len(IMPL_NEEDS)} needs ({sum(n.params is not None for n in (*NEEDS, *IMPL_NEEDS))} "
+              "methods), by class or module:", ""]
+    lines += [f"- `{o.rpartition(':')[2]}`: `{o.replace(':', '.')}`" if ":" in o else f"- `{o}` (module)"
+              for o in owners]
+    lines.append(f"- `{IMPL}`: the class of each attention layer's `impl` (`CPUAttentionBackendImpl` on CPU)")
     return "\n".join(lines)
 
 

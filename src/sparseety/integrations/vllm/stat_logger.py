@@ -9,12 +9,14 @@ The finished requests' ``FinishedRequestStats`` (finish reason, ``num_cached_tok
 queue/prefill/decode times) are joined to what the output hooks captured; the ``sparseety:`` metric
 families live in the process's default Prometheus registry, which vLLM's own ``/metrics`` serves.
 
-The ``stat-logger`` hook checks at import, through :func:`.adapter.check`, vLLM's ``StatLoggerBase`` and
-every attribute it reads of the stats and config vLLM hands on: when one is missing or changed, the class
-stays a valid, inert stat logger (one warning; the output hooks then write the traces without vLLM's
-timings). vLLM's objects are read by :mod:`.adapter` (:func:`.adapter.served_config`,
-:func:`.adapter.finished_stats`). Nothing here raises into vLLM: the constructor and :meth:`record` are
-guarded. This module imports vLLM (the base class, through the adapter); the rest of the package does not.
+Its hooks are checked at import, through :func:`.adapter.check`: ``stat-logger`` (vLLM's ``StatLoggerBase``
+and the config it hands on; when one is missing or changed the class stays a valid, inert stat logger and
+the output hooks write the traces alone), ``finished-stats`` (``FinishedRequestStats``: without it records
+are not joined to vLLM's times), ``recomputed-tokens`` (the prefix-cache stats) and ``kv-events`` (the
+KV-event config); each off with one warning. vLLM's objects are read by :mod:`.adapter`
+(:func:`.adapter.served_config`, :func:`.adapter.finished_stats`). Nothing here raises into vLLM: the
+constructor and :meth:`record` are guarded. This module imports vLLM (the base class, through the
+adapter); the rest of the package does not.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from sparseety.integrations.vllm.hooks import guarded, vllm_version
 
 log = logging.getLogger("sparseety.vllm")
 StatLoggerBase = adapter.stat_logger_base()  # vLLM skips a stat-logger plugin that fails to load, and serves on
-INTERFACE_OK = adapter.check(("stat-logger",))["stat-logger"]  #: StatLoggerBase and what it hands on, as expected
-KV_EVENTS_OK = adapter.check(("kv-events",))["kv-events"]  #: vLLM's KV-event config, as expected
+_ON = adapter.check(("stat-logger", "finished-stats", "recomputed-tokens", "kv-events"))
+INTERFACE_OK = _ON["stat-logger"]  #: StatLoggerBase and the config it hands on, as expected
+FINISHED_OK = _ON["finished-stats"]  #: vLLM's FinishedRequestStats, as expected (else no join: records go alone)
+RECOMPUTED_OK = _ON["recomputed-tokens"]  #: vLLM's prefix-cache stats, as expected
+KV_EVENTS_OK = _ON["kv-events"]  #: vLLM's KV-event config, as expected
 
 
 class SparseetyStatLogger(StatLoggerBase):
@@ -48,7 +53,7 @@ class SparseetyStatLogger(StatLoggerBase):
         obs.configure(model=served.model, tokenizer=served.tokenizer, model_path=served.model_path,
                       block_size=served.block_size, kv_endpoint=served.kv_endpoint,
                       data_parallel_size=served.data_parallel_size, config=served.config)
-        obs.has_stat_logger = True  # only once configured: else the output hooks write records alone
+        obs.has_stat_logger = FINISHED_OK  # only once configured: else the output hooks write records alone
         self.observer = obs
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
@@ -56,11 +61,13 @@ class SparseetyStatLogger(StatLoggerBase):
             guarded("stat-logger", self._record, scheduler_stats, iteration_stats)
 
     def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        recomputed = adapter.recomputed_tokens(scheduler_stats)
-        if recomputed is not None:
-            self.observer.on_recomputed(recomputed, self.engine_index)
-        for finished in adapter.finished_stats(iteration_stats):
-            self.observer.on_finished_stats(finished, self.engine_index)
+        if RECOMPUTED_OK:
+            recomputed = adapter.recomputed_tokens(scheduler_stats)
+            if recomputed is not None:
+                self.observer.on_recomputed(recomputed, self.engine_index)
+        if FINISHED_OK:
+            for finished in adapter.finished_stats(iteration_stats):
+                self.observer.on_finished_stats(finished, self.engine_index)
 
     def log_engine_initialized(self, *args: Any, **kwargs: Any) -> None:
         pass
