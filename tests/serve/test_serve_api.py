@@ -474,3 +474,29 @@ def test_trace_lookup_says_pending_before_the_commit_and_dropped_when_the_writer
     assert dropped.status_code == 410 and dropped.json()["status"] == "dropped"
     assert dropped.json()["error"]["code"] == "trace_dropped"
     assert unknown.status_code == 404 and done.status_code == 200 and done.json()["request_id"] == "kept-1"
+
+
+def test_refusals_caused_by_the_servers_settings_say_so_and_what_a_request_can_send(engine):
+    """A policy option or --attention-topk set by the server is named as the server's, with the request field
+    that gets past it (sparsity.options), never a command-line flag the client cannot set."""
+    def refusal(srv, sparsity: dict) -> dict:
+        reply = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": "Name a colour.", "max_tokens": 2, "sparsity": sparsity})
+        assert reply.status_code == 400, reply.text
+        return reply.json()["error"]
+
+    with live_server(engine, policy="kvzap", policy_opts={"threshold": "-3"}) as srv:
+        error = refusal(srv, {"budget": 16})
+        assert "threshold=-3 are this server's, set by its --policy-opt" in error["message"]
+        assert "sparsity.budget" in error["message"] and "--budget" not in error["message"]
+        assert error["param"] == "sparsity.budget"
+        # sending the request's own options replaces the server's: the same budget is then accepted
+        ok = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Name a colour.", "max_tokens": 2,
+            "sparsity": {"budget": 16, "options": {"per_head": True}}})
+        assert ok.status_code == 200, ok.text
+    with live_server(engine, policy="streaming", budget=BUDGET, attention_topk=12) as srv:
+        error = refusal(srv, {"policy": "kvzip", "budget": 16})
+        assert "--attention-topk" in error["message"] and '{"per_head": false}' in error["message"]
+        assert error["param"] == "sparsity.options"
+        assert "set its option" not in error["message"]

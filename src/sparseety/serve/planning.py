@@ -141,15 +141,33 @@ def _policy(body: ChatCompletionRequest | CompletionRequest, config: ServeConfig
         raise APIError(400, "give either sparsity.budget or sparsity.ratio, not both", param="sparsity.budget",
                        code="invalid_value")
     param = "sparsity.policy"
+    inherited = name == config.policy and (sparsity is None or sparsity.options is None) and bool(options)
     try:
-        return sized_policy(name, budget, ratio, prompt_len, options)
+        policy = sized_policy(name, budget, ratio, prompt_len, options)
     except SparseetyError as exc:
-        message = str(exc)
+        message = _as_request_fields(str(exc))
         if "budget" in message or "ratio" in message:
             param = "sparsity.budget"
         elif "option" in message:
             param = "sparsity.options"
+        if inherited:  # the options that clash are the server's: say so, and what the request can send instead
+            given = " ".join(f"{key}={value}" for key, value in options.items())
+            message = (f"{message} (the options {given} are this server's, set by its --policy-opt; send "
+                       "sparsity.options to replace them for this request)")
         raise APIError(400, message, param=param, code="invalid_value") from None
+    if config.attention_topk is not None and policy.splits_heads:
+        raise APIError(400, f"policy {policy.name!r} keeps a different number of slots in each KV head, and this "
+                       f"server attends only to the top {config.attention_topk} slots of every head (its "
+                       "--attention-topk), which needs the same number in each; send sparsity.options "
+                       '{"per_head": false} or another sparsity.policy', param="sparsity.options",
+                       code="invalid_value")
+    return policy
+
+
+def _as_request_fields(message: str) -> str:
+    """A policy's message names the command line's flags; a request sets ``sparsity.budget`` / ``ratio``."""
+    return message.replace("--budget/--ratio", "sparsity.budget/sparsity.ratio").replace(
+        "--budget", "sparsity.budget").replace("--ratio", "sparsity.ratio")
 
 
 def plan_request(body: ChatCompletionRequest | CompletionRequest, engine: SparseEngine, config: ServeConfig,
