@@ -56,6 +56,7 @@ class SparseLayer(DynamicLayer):
         #: values ``[b, kv_heads, q, d]`` -> norms ``[b, kv_heads, q, g]`` (importance scoring), or None
         self.norm_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._norm: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, g]`` float32, with ``norm_fn``
+        self._offsets: tuple[int, torch.Tensor] | None = None  #: (capacity, ``[kv_heads]`` head * capacity)
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -255,10 +256,10 @@ class SparseLayer(DynamicLayer):
             return slots, evicted_positions
         k = n - e
         if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
-            heads = torch.arange(h, device=slots.device)
-            hole = slots[0, :, 0]
-            for buffer in self._slot_buffers():
-                buffer[0, heads, hole] = buffer[0, heads, n - 1]
+            capacity = self._k.shape[2]
+            holes = slots[0, :, 0] + self._head_offsets(h, capacity, slots.device)  # in ``[h * capacity]`` rows
+            for buffer in self._slot_buffers():  # one indexed copy per buffer (each is contiguous)
+                buffer[0].view(h * capacity, *buffer.shape[3:]).index_copy_(0, holes, buffer[0, :, n - 1])
             self._slots = k
             self._views()
         elif e <= IN_PLACE_EVICTIONS and b == 1:
@@ -276,6 +277,13 @@ class SparseLayer(DynamicLayer):
                 keep = kept.nonzero(as_tuple=True)[-1].reshape(b, h, k)
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
+
+    def _head_offsets(self, h: int, capacity: int, device: torch.device) -> torch.Tensor:
+        """``[h]`` long: ``head * capacity``, the first row of each head in a buffer's ``[h * capacity]`` rows (cached)."""
+        cached = self._offsets
+        if cached is None or cached[0] != capacity or cached[1].shape[0] != h or cached[1].device != device:
+            cached = self._offsets = (capacity, torch.arange(h, device=device) * capacity)
+        return cached[1]
 
     def split(self, keep: list[torch.Tensor], budgets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Let each KV head keep its own slots: head ``i`` keeps ``keep[i]`` ``[k_i]`` (slot indices), and
