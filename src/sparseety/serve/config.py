@@ -13,7 +13,6 @@ from sparseety.options import GenerationOptions, ImportanceMode, default_of
 
 if TYPE_CHECKING:
     from sparseety.engine import SparseEngine
-    from sparseety.policies.prune import PruneSchedule
     from sparseety.store.sandbox import SqlLimits
 
 
@@ -125,14 +124,6 @@ class ServeConfig(ValidatedConfig):
         if policy:
             fields.update(policy=self.policy, budget=self.budget, ratio=self.ratio, policy_opts=dict(self.policy_opts))
         return fields
-
-    def prune_for(self, num_layers: int = 30) -> PruneSchedule | None:
-        """The pruning schedule (``default`` resolved against ``num_layers``), or None."""
-        from sparseety.policies.prune import parse_prune_schedule
-
-        if self.prune_schedule is None:
-            return None
-        return parse_prune_schedule(self.prune_schedule, dict(self.prune_opts), num_layers)
 
     def generation_options(self, engine: SparseEngine | None = None) -> GenerationOptions:
         """Every request's defaults (a request body sets its policy, ``max_tokens``, tier and seed over them):
