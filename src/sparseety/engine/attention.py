@@ -25,9 +25,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sparseety.engine.cache import SparseLayer
-from sparseety.engine.context import LayerSignals, RunContext, active_context
+from sparseety.engine.context import RunContext, active_context
 from sparseety.engine.packed import active_packed, isolated
 from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores, scoring_keys
+from sparseety.engine.signals import LayerSignals
 from sparseety.engine.window import window_mask
 from sparseety.extract.scoring import row_probs  # noqa: F401  (the one row-probability function; tests patch it here)
 

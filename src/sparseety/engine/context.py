@@ -19,10 +19,12 @@ import numpy as np
 import torch
 
 from sparseety.engine.cache import SparseCache, SparseLayer
+from sparseety.engine.carry import PrefillCarry
 from sparseety.engine.events import ATTENDED, EVICTED, SKIPPED, WINDOW, EventLog
 from sparseety.engine.layers import LayerSelection, topk_mass
 from sparseety.engine.probe import ModuleProbes
 from sparseety.engine.prune import PruneRun
+from sparseety.engine.signals import LayerPlan, LayerSignals, group_mean
 from sparseety.engine.window import window_edge
 from sparseety.extract.scoring import FEATURES, ImportanceMode, score_row, slot_norms, weight_heads
 from sparseety.policies.base import (
@@ -60,40 +62,6 @@ def scoped(var: ContextVar[T | None], value: T) -> Iterator[T]:
 def activate(ctx: RunContext) -> contextlib.AbstractContextManager[RunContext]:
     """Make ``ctx`` the active run context inside the ``with`` block."""
     return scoped(_ACTIVE, ctx)
-
-
-@dataclass
-class LayerSignals:
-    """Attention information one layer computed this step (batch first, query heads second)."""
-
-    last_row: torch.Tensor | None = None  #: ``[b, heads, n]`` probabilities of the newest query
-    window: torch.Tensor | None = None  #: ``[b, heads, w, n]`` probabilities of the last ``w`` queries
-    colsum: torch.Tensor | None = None  #: ``[b, heads, n]`` attention received, summed over queries
-    attended: torch.Tensor | None = None  #: ``[b, kv_heads, n]`` bool, slots the newest top-k row attended to
-    skipped: int = 0  #: visible (row, kv_head, slot) triples a top-k step left out
-    queries: torch.Tensor | None = None  #: ``[b, heads, w, d]`` the policy's query rows (:meth:`Policy.query_rows`)
-    values: torch.Tensor | None = None  #: ``[b, kv_heads, n, d]`` the layer's cached values
-    rotary: torch.Tensor | None = None  #: ``[rotary_dim // 2]`` RoPE inverse frequencies, with ``queries``
-    reconstruction: torch.Tensor | None = None  #: ``[b, kv_heads, chunk]`` kvzip scores of the chunk's slots (its pass only)
-    hidden: torch.Tensor | None = None  #: ``[b, r, hidden_size]`` attention-input hidden states (:attr:`Policy.needs_hidden`)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What the hook point computes for one layer in one step."""
-
-    last_row: bool
-    window_rows: int
-    colsum_stride: int  #: 0: no column sums; k: every k-th query row (1 is exact)
-    topk: int | None
-    colsum_last: int = -1  #: with chunked prefill: the row (of this forward) that is the prefill's last row
-    query_rows: int = 0  #: the last query rows handed to the policy (:meth:`Policy.query_rows`)
-
-
-def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Average ``[b, heads, ...]`` over the query heads of each KV group -> ``[b, kv_heads, ...]``."""
-    b, h = x.shape[:2]
-    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:]).mean(dim=2)
 
 
 @dataclass
@@ -165,9 +133,7 @@ class RunContext:
     step_vectors: list[torch.Tensor] = field(default_factory=list)  #: tier 3: ``[layers, seen]`` float16 each
     drafts: list[tuple[int, int, int, int]] = field(default_factory=list)  #: per drafted token: (forward, step, position, token_id)
     _t0: float = 0.0
-    _carried_colsum: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, n]`` of earlier chunks
-    _carried_window: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, w, n]`` rows of earlier chunks
-    _carried_queries: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, ``[b, heads, w, d]`` query rows of earlier chunks
+    carry: PrefillCarry = field(default_factory=PrefillCarry)  #: signals of earlier prefill chunks (:mod:`.carry`)
     _rotary: dict[int, torch.Tensor | None] = field(default_factory=dict)  #: per layer, RoPE inverse frequencies
     _plan: LayerPlan | None = None
     _recording_plan: LayerPlan | None = None
@@ -185,7 +151,6 @@ class RunContext:
     attention_importance: torch.Tensor | None = None  #: ``value``/``output``: ``[layers, positions]`` plain attention too
     head_weights: torch.Tensor | None = None  #: ``learned``: ``[layers, heads]`` weights of each head's score
     _hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, this forward's ``[b, q, D]`` hidden states
-    _carried_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: per layer, earlier chunks' hidden states
     thresholded: bool = False  #: the policy chose its kept counts by threshold (:meth:`Policy.keep_count`)
 
     def __post_init__(self) -> None:
@@ -438,10 +403,7 @@ class RunContext:
         assert positions is not None
         hidden = self._hidden.pop(layer, None)
         if self.carrying:  # an earlier prefill chunk: keep its signals for the chunk that completes the prefill
-            self._carry(layer, seen)
-            if hidden is not None:
-                carried = self._carried_hidden.get(layer)
-                self._carried_hidden[layer] = hidden if carried is None else torch.cat([carried, hidden], dim=1)
+            self.carry.keep(layer, seen, hidden)
             return
         if seen.last_row is not None and self.records(layer):
             attention = group_mean(seen.last_row, self.kv_heads)[0]
@@ -457,9 +419,7 @@ class RunContext:
             self._record_skips(layer, positions, seen.attended, seen.skipped)
         if not self.evicting:
             return
-        self._add_carried(layer, seen)
-        carried = self._carried_hidden.pop(layer, None)
-        seen.hidden = hidden if carried is None or hidden is None else torch.cat([carried, hidden], dim=1)
+        self.carry.join(layer, seen, hidden)
         scores = self._score(layer, cache_layer, key, seen, self.kv_heads)
         if self.prompt_forward and self.policy.shares_budget and cache_layer.window is None:
             self._shared_scores[layer] = scores  # evicted at the end of this forward (:meth:`_share_out`)
@@ -614,26 +574,6 @@ class RunContext:
                 self.evictions.add(0, layer, where[0], scores[0, i : i + 1].gather(-1, slots[0]),
                                    heads=torch.full((slots.shape[-1],), i))
 
-    def _carry(self, layer: int, seen: LayerSignals) -> None:
-        """Keep an earlier chunk's signals, joined to what the chunks before it carried."""
-        if seen.colsum is not None:
-            self._carried_colsum[layer] = _joined(self._carried_colsum.get(layer), seen.colsum, rows=False)
-        if seen.window is not None:
-            self._carried_window[layer] = _joined(self._carried_window.get(layer), seen.window, rows=True)
-        if seen.queries is not None:
-            self._carried_queries[layer] = _joined(self._carried_queries.get(layer), seen.queries, rows=True)
-
-    def _add_carried(self, layer: int, seen: LayerSignals) -> None:
-        """The completing chunk's signals plus what the earlier chunks carried."""
-        colsum, window = self._carried_colsum.pop(layer, None), self._carried_window.pop(layer, None)
-        if seen.colsum is not None:
-            seen.colsum = _joined(colsum, seen.colsum, rows=False)
-        if seen.window is not None:
-            seen.window = _joined(window, seen.window, rows=True)
-        queries = self._carried_queries.pop(layer, None)
-        if seen.queries is not None:
-            seen.queries = _joined(queries, seen.queries, rows=True)
-
     def _record_importance(self, layer: int, positions: torch.Tensor, per_slot: torch.Tensor,
                            attention: torch.Tensor | None = None) -> None:
         """Add the newest row's score to layer ``layer``'s importance: ``per_slot`` (any shape, the KV
@@ -676,16 +616,3 @@ def hidden_first(scores: torch.Tensor, cache_layer: SparseLayer) -> torch.Tensor
     """``scores`` ``[b, kv_heads, slots]`` with what a sliding layer's window hides at ``-inf``: evicted first."""
     hidden = cache_layer.hidden_slots()
     return scores if hidden is None else scores.masked_fill(hidden, float("-inf"))
-
-
-def _joined(carried: torch.Tensor | None, new: torch.Tensor, *, rows: bool) -> torch.Tensor:
-    """Earlier chunks' signal joined to this chunk's: window rows stacked (``rows``), else column sums added.
-
-    The earlier rows never saw this chunk's keys, so their key axis is zero-padded to ``new``'s.
-    """
-    if carried is None:
-        return new
-    n = new.shape[-1]
-    if carried.shape[-1] != n:
-        carried = torch.nn.functional.pad(carried, (0, n - carried.shape[-1]))
-    return torch.cat([carried, new], dim=2) if rows else carried + new
