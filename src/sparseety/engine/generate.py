@@ -395,21 +395,9 @@ class SparseEngine:
                     arrays["sink.position"] = np.asarray(sinks, dtype=np.int64)
                 records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special,
                                            layers=recorded, min_score=min_score, sinks=sinks)
-            probes = ctx.probes
-            if probes is not None:
-                realign = ctx.prune.expand if ctx.prune is not None else (lambda _layer, values: values)
-                for layer, probs in probes.routers().items():
-                    arrays[f"router.{layer}"] = realign(layer, probs).astype(np.float16)
-                maxabs, zero_frac = probes.activations()
-                if maxabs:
-                    arrays["activation.maxabs"] = np.stack([realign(k, v) for k, v in maxabs.items()]).astype(np.float16)
-                    arrays["activation.zero_frac"] = np.stack([realign(k, v) for k, v in zero_frac.items()]).astype(np.float16)
+            arrays.update(_probe_arrays(ctx))
         if tier >= 3 and ctx.step_vectors:
-            width = max(v.shape[1] for v in ctx.step_vectors)
-            stacked = np.full((len(ctx.step_vectors), self.num_layers, width), np.nan, dtype=np.float16)
-            for i, v in enumerate(ctx.step_vectors):
-                stacked[i, :, : v.shape[1]] = v.numpy()
-            arrays["step_importance"] = stacked
+            arrays["step_importance"] = _step_importance(ctx.step_vectors, self.num_layers)
         return RunResult(
             request_id=request_id or uuid.uuid4().hex,
             model=self.model_name,
@@ -439,6 +427,32 @@ class SparseEngine:
             layer_selection=ctx.layers.text(),
             extraction_layers=recorded,
         )
+
+
+def _probe_arrays(ctx: RunContext) -> dict[str, np.ndarray]:
+    """The probes' arrays (float16): ``router.{layer}`` (each MoE layer's router probabilities per position) and
+    ``activation.{maxabs,zero_frac}`` (``[layers, positions]``), realigned to every position after pruning."""
+    probes, arrays = ctx.probes, {}
+    if probes is None:
+        return arrays
+    realign = ctx.prune.expand if ctx.prune is not None else (lambda _layer, values: values)
+    for layer, probs in probes.routers().items():
+        arrays[f"router.{layer}"] = realign(layer, probs).astype(np.float16)
+    maxabs, zero_frac = probes.activations()
+    if maxabs:
+        arrays["activation.maxabs"] = np.stack([realign(k, v) for k, v in maxabs.items()]).astype(np.float16)
+        arrays["activation.zero_frac"] = np.stack([realign(k, v) for k, v in zero_frac.items()]).astype(np.float16)
+    return arrays
+
+
+def _step_importance(vectors: list[torch.Tensor], num_layers: int) -> np.ndarray:
+    """Tier 3: the per-step ``[layers, seen]`` vectors as one ``[steps, layers, width]`` float16 array, NaN past
+    each step's ``seen``."""
+    width = max(v.shape[1] for v in vectors)
+    stacked = np.full((len(vectors), num_layers, width), np.nan, dtype=np.float16)
+    for i, v in enumerate(vectors):
+        stacked[i, :, : v.shape[1]] = v.numpy()
+    return stacked
 
 
 class _AfterPrompt:
