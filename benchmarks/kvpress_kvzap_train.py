@@ -1,17 +1,18 @@
 """Train kvpress's own ``KVzapModel`` (its ``kvzap/train.py`` code) on the texts SparSEEty's shipped ``kvzap``
 surrogate was trained on, and calibrate both sides' DMS thresholds.
 
-Usage (from the repository root, after ``scripts/train_shipped_policies.py`` built the training traces)::
+Usage (from the repository root, after ``python -m sparseety.training.shipped_policies`` built the training
+traces)::
 
     .venv/bin/python benchmarks/kvpress_kvzap_train.py [--traces build/shipped_policies/smollm2-135m]
         [--requests 26] [--out benchmarks/results/kvpress_kvzap_train] [--surrogates linear,mlp] [--n-tokens 500]
         [--threads 1]
 
 Same texts, same split. The training traces' prompts (``--requests 26``: the first 26, the shipped
-``kvzap-linear-smollm2-135m`` surrogate's set, as ``scripts/train_shipped_policies.py`` says) are the contexts ``sparseety learn-policy --target
-kvzip`` reads; the user turn of each (the document, then the question) is handed to kvpress as text, and
-requests are split into training and held-out ones exactly as ``learn-policy`` splits them
-(:func:`sparseety.analysis.learn_policy.split_requests`, hold-out 0.25, seed 0). The Nemotron download that
+``kvzap-linear-smollm2-135m`` surrogate's set, as :mod:`sparseety.training.shipped_policies` says) are the
+contexts ``sparseety learn-policy --target kvzip`` reads; the user turn of each (the document, then the
+question) is handed to kvpress as text, and requests are split into training and held-out ones exactly as ``learn-policy`` splits them
+(:func:`sparseety.training.learned_policy.split_requests`, hold-out 0.25, seed 0). The Nemotron download that
 ``kvzap/train.py`` would make is the only part replaced.
 
 kvpress side (``benchmarks/.kvpress-venv``, see ``benchmarks/kvpress_compare.py``; this script adds
@@ -177,7 +178,7 @@ def ours(engine, contexts, held: list[int], per_text: int) -> dict:
     samples them (one seeded ``randperm`` per text), scored with :func:`fidelity`."""
     import torch
 
-    from sparseety.analysis.learn_kvzap import capture
+    from sparseety.training.kvzap_surrogate import capture
     from sparseety.policies.kvzap_model import load_surrogate
     from sparseety.policies.learned_model import shipped_file
 
@@ -221,8 +222,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from kvpress_compare import ensure_venv
 
-    from sparseety.analysis.learn_kvzap import KVzapConfig, read_contexts
-    from sparseety.analysis.learn_policy import split_requests
+    from sparseety.training.kvzap_surrogate import KVzapConfig, read_contexts
+    from sparseety.training.learned_policy import split_requests
     from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model
     from sparseety.models.registry import resolve_model_dir

@@ -11,7 +11,7 @@ Three kinds of context, ``--cases`` each, none of them trained on:
 - ``passkey``: the passkey cases of ``benchmarks/kvpress_compare.py`` (license text), seed 4;
 - ``multikey``: its niah_multikey cases, RULER seed 1.
 
-Per context, one dense teacher-forced pass (:func:`sparseety.analysis.learn_kvzap.capture`) gives every
+Per context, one dense teacher-forced pass (:func:`sparseety.training.kvzap_surrogate.capture`) gives every
 layer's hidden states and the true log KVzip+ score of every (layer, KV head, token); the surrogate predicts
 the same from the hidden states. A budget of ``1 - ratio`` of the context is then allocated three ways, each
 once by the predictions and once by the truth:
@@ -114,7 +114,7 @@ def main() -> None:
 
     from kvzap_needles import shipped_surrogate, value_spans
 
-    from sparseety.analysis.learn_kvzap import Context, capture
+    from sparseety.training.kvzap_surrogate import Context, capture
     from sparseety.models import DEFAULT_MODEL
 
     engine, tokenizer, path, surrogate = shipped_surrogate()

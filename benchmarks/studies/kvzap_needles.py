@@ -6,7 +6,7 @@ Usage (from the repository root)::
         [--cases 3] [--seed 0] [--ratio 0.5] [--out benchmarks/results/studies/kvzap_needles.json]
 
 For each case (the cases of ``benchmarks/kvpress_compare.py --ruler-cases 3``), one dense teacher-forced
-pass (:func:`sparseety.analysis.learn_kvzap.capture`, KVzip's reconstruction prompt) gives every layer's
+pass (:func:`sparseety.training.kvzap_surrogate.capture`, KVzip's reconstruction prompt) gives every layer's
 hidden states and true log KVzip+ scores of the context tokens. Per layer and KV head, each score (the
 surrogate's prediction, or the truth) keeps its top ``1 - ratio`` of the context, as ``kvzap`` does with
 uniform budgets. A needle is *kept whole* by a head when every token of its value is kept. Printed and
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
-    from sparseety.analysis.learn_kvzap import Context, capture
+    from sparseety.training.kvzap_surrogate import Context, capture
     from sparseety.bench.passkey import tokenizer_counter
     from sparseety.bench.ruler import encode_case, make_ruler_case
     from sparseety.models import DEFAULT_MODEL

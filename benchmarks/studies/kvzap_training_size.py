@@ -6,9 +6,9 @@ Usage (from the repository root)::
         [--cases 128] [--held-out 16] [--sizes 20,32,44,56,68,80,92,102] [--out benchmarks/results/studies/kvzap_training_size.json]
 
 The shipped SmolLM2 surrogate was fitted on 20 prompts: the training part of the first 26 traced prompts
-(``scripts/train_shipped_policies.py --cases 26``, split as ``learn-policy`` splits). This script reads
-the traces of ``--cases`` prompts of the same kind (building them as that script does when the folder is
-missing, without touching the shipped weights). It holds out the last ``--held-out`` prompts (none of
+(``python -m sparseety.training.shipped_policies --cases 26``, split as ``learn-policy`` splits). This
+script reads the traces of ``--cases`` prompts of the same kind (building them as that module does when the
+folder is missing, without touching the shipped weights). It holds out the last ``--held-out`` prompts (none of
 the first 26). Then it fits the same ridge per layer as ``learn-policy --target kvzip`` on a growing
 prefix: the shipped surrogate's 20 prompts first, then the others in order. Streamed sums make every
 size one pass over the prompts. It prints and saves held-out Spearman (over token x KV head pairs) and
@@ -42,8 +42,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from sparseety.analysis.learn_kvzap import KVzapConfig, _RidgeSums, capture, kept_recall, read_contexts, spearman
-    from sparseety.analysis.learn_policy import split_requests
+    from sparseety.training.kvzap_surrogate import KVzapConfig, _RidgeSums, capture, kept_recall, read_contexts, spearman
+    from sparseety.training.learned_policy import split_requests
     from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model
     from sparseety.policies.kvzap_model import Surrogate, load_surrogate

@@ -144,7 +144,7 @@ def test_bench_passkey_takes_the_learned_policy_file(traced, tmp_path):
 
 
 def test_split_holds_none_out_at_zero_and_always_trains_on_one():
-    from sparseety.analysis.learn_policy import split_requests
+    from sparseety.training.learned_policy import split_requests
 
     assert split_requests([0] * 5, 0.0, 0)[1] == []
     assert split_requests([0], 0.5, 0) == ([0], [])

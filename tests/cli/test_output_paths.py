@@ -217,7 +217,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 def test_a_fit_whose_folder_vanished_is_saved_in_the_temp_folder(tiny, tmp_path: Path, monkeypatch):
     """learn-importance: the output folder is replaced by a file while the fit runs; the weights land in a
     temporary file the error line names (exit 1), and that file is a valid weights file."""
-    import sparseety.analysis.learn_importance as fit
+    import sparseety.training.head_weights as fit
 
     out = tmp_path / "out" / "w.json"
     out.parent.mkdir()

@@ -18,7 +18,7 @@ from tiny_models import build_model, prompt_ids
 from sparseety.engine import EncodedInput
 from sparseety.errors import ConfigError
 from sparseety.extract.head_weights import HeadWeights, read_head_weights
-from sparseety.analysis.learn_importance import TrainingPrompt, fit_weights, head_features, mean_correlation
+from sparseety.training.head_weights import TrainingPrompt, fit_weights, head_features, mean_correlation
 from sparseety.policies import build_policy
 
 NEW = 5

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from tiny_models import build_model, build_tokenizer, prompt_ids  # noqa: E402
 
-from sparseety.analysis.learn_kvzap import kept_recall, kvzip_plus, spearman  # noqa: E402
+from sparseety.training.kvzap_surrogate import kept_recall, kvzip_plus, spearman  # noqa: E402
 from sparseety.cli import app  # noqa: E402
 from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
 from sparseety.errors import ConfigError  # noqa: E402

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from tiny_models import build_model, build_tokenizer, kept_after_step, prompt_ids  # noqa: E402
 
-from sparseety.analysis.learn_policy import TrainConfig, heavy_hitters, kept_by, learn, read_examples  # noqa: E402
+from sparseety.training.learned_policy import TrainConfig, heavy_hitters, kept_by, learn, read_examples  # noqa: E402
 from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
 from sparseety.errors import ConfigError, InputError  # noqa: E402
 from sparseety.policies import Observation, build_policy  # noqa: E402

@@ -40,7 +40,7 @@ def learn_importance_cmd(
     from sparseety.cli.progress import steps as progress_steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
-    from sparseety.analysis.learn_importance import learn_head_weights
+    from sparseety.training.head_weights import learn_head_weights
     from sparseety.extract.scoring import FEATURES
     from sparseety.models import load_model
     from sparseety.output_paths import save_or_salvage

@@ -49,7 +49,7 @@ def learn_policy_cmd(
 ) -> None:
     """Replay each traced prefill, label positions by the attention later steps gave them, fit a tiny predictor,
     print its held-out ranking quality against h2o, tova and recency, and write it with its provenance."""
-    from sparseety.analysis.learn_policy import LABELS, TrainConfig, learn, read_examples
+    from sparseety.training.learned_policy import LABELS, TrainConfig, learn, read_examples
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
@@ -108,7 +108,7 @@ def _learn_kvzip(trace_dir: Path, out: Path, model: str | None, surrogate: str, 
                  holdout: float, max_examples: int, seed: int, text_source: str, as_json: bool, quiet: bool,
                  threads: int | None) -> None:
     """``--target kvzip``: fit the kvzap surrogate, print its held-out fidelity per layer, write it."""
-    from sparseety.analysis.learn_kvzap import KVzapConfig, learn_kvzap, read_contexts
+    from sparseety.training.kvzap_surrogate import KVzapConfig, learn_kvzap, read_contexts
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError
     from sparseety.models import load_model

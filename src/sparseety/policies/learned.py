@@ -1,7 +1,7 @@
 """``learned``: evict by a predictor trained on SparSEEty's own tier-3 traces (``sparseety learn-policy``).
 
 No single paper: a tiny supervised model of the attention a slot receives from later steps (the label
-of :mod:`sparseety.analysis.learn_policy`), over features the engine has at eviction time; the
+of :mod:`sparseety.training.learned_policy`), over features the engine has at eviction time; the
 direction issue 15 names. Its training data, held-out figures and text sources are in the README.
 """
 

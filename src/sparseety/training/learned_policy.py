@@ -319,7 +319,7 @@ class LearnResult:
 def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *, trace_dir: str, text_source: str,
           on_progress: Callable[[str], None] | None = None) -> LearnResult:
     """Replay, label, split, fit and evaluate; returns the predictor with its provenance filled in."""
-    from sparseety import __version__
+    from sparseety.version import __version__
     from sparseety.models.fingerprint import config_summary, model_fingerprint
     from sparseety.policies.learned_features import class_table_for
 

@@ -1,9 +1,9 @@
 """Regenerate the trained policy files that ship in ``src/sparseety/policies/weights/``.
 
-Usage (from the repository root)::
+Usage (from a source checkout: the traces are built by ``benchmarks/learned_policy.py``)::
 
-    .venv/bin/python scripts/train_shipped_policies.py [--models smollm2-135m,gemma3-270m] [--cases 64]
-                                                      [--only learned|kvzap] [--reuse-traces]
+    .venv/bin/python -m sparseety.training.shipped_policies [--models smollm2-135m,gemma3-270m] [--cases 64]
+                                                           [--only learned|kvzap] [--reuse-traces]
 
 For each model: (1) training traces, exactly those of ``benchmarks/learned_policy.py`` (retrieval
 questions and summaries over documents made of sentences of Python's standard-library docstrings,
@@ -30,21 +30,25 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-WEIGHTS = ROOT / "src" / "sparseety" / "policies" / "weights"
+ROOT = Path(__file__).resolve().parents[3]  #: the source checkout (src/sparseety/training/ -> root)
+WEIGHTS = Path(__file__).resolve().parents[1] / "policies" / "weights"  #: the shipped files (read at run time)
 WORK = ROOT / "build" / "shipped_policies"  #: training traces (not committed; rebuilt unless --reuse-traces)
 TEXT_SOURCE = ("benchmarks/learned_policy.py training cases: sentences of Python standard-library docstrings "
                "(DOC_MODULES), a hidden fact or a summary request, 600-1200 tokens, dense, tier 3")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}" if __spec__ else None,
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
     parser.add_argument("--cases", type=int, default=64, help="training traces per model")
     parser.add_argument("--lengths", default="600,900,1200")
     parser.add_argument("--only", choices=("learned", "kvzap"), default=None)
     parser.add_argument("--reuse-traces", action="store_true", help="keep the traces already built")
     args = parser.parse_args()
+    if not (ROOT / "benchmarks" / "learned_policy.py").is_file():
+        parser.error(f"needs a source checkout: the training traces are built by benchmarks/learned_policy.py, "
+                     f"not found under {ROOT}")
 
     import torch
 
@@ -52,8 +56,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from learned_policy import build_traces
 
-    from sparseety.analysis.learn_kvzap import KVzapConfig, learn_kvzap, read_contexts
-    from sparseety.analysis.learn_policy import TrainConfig, learn, read_examples
+    from sparseety.training.kvzap_surrogate import KVzapConfig, learn_kvzap, read_contexts
+    from sparseety.training.learned_policy import TrainConfig, learn, read_examples
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
 

@@ -3,9 +3,10 @@
 Training text is never what ``bench faithfulness`` evaluates on (six licence texts under
 /usr/share/common-licenses): it is the long module docstrings of the Python standard library plus the
 two licence texts that are not variants of the evaluated ones (BSD, CC0-1.0). The docstrings are
-written to ``--texts-dir`` and handed to ``sparseety learn-importance``.
+written to ``--texts-dir`` (a scratch folder in the system's temporary folder by default, rewritten on
+every run) and handed to ``sparseety learn-importance``.
 
-    python scripts/train_head_weights.py            # writes src/sparseety/extract/weights/smollm2-135m.json
+    python -m sparseety.training.shipped_head_weights   # writes src/sparseety/extract/weights/smollm2-135m.json
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import inspect
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+WEIGHTS = Path(__file__).resolve().parents[1] / "extract" / "weights"  #: the shipped weights (read at run time)
+TEXTS_DIR = Path(tempfile.gettempdir()) / "sparseety-head-weights-texts"  #: scratch, never committed
 MODULES = ("re", "configparser", "turtle", "sys", "wave", "statistics", "csv", "cmd", "argparse", "json",
            "socket", "timeit", "hashlib", "pydoc", "copy", "heapq")
 LICENCES = (Path("/usr/share/common-licenses/BSD"), Path("/usr/share/common-licenses/CC0-1.0"))
@@ -37,10 +40,13 @@ def write_texts(folder: Path, modules: tuple[str, ...] = MODULES) -> list[Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}" if __spec__ else None,
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", type=Path, default=ROOT / "src/sparseety/extract/weights/smollm2-135m.json")
-    parser.add_argument("--texts-dir", type=Path, default=ROOT / "benchmarks/results/head_weights/texts")
+    parser.add_argument("--out", type=Path, default=WEIGHTS / "smollm2-135m.json")
+    parser.add_argument("--texts-dir", type=Path, default=TEXTS_DIR,
+                        help="Scratch folder the training texts are written to (default: %(default)s, in the system's "
+                             "temporary folder, outside the repository; rewritten on every run).")
     parser.add_argument("--count", type=int, default=10, help="Docstring modules used (the first N of MODULES).")
     parser.add_argument("--ablations", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
@@ -56,8 +62,8 @@ def main() -> int:
         document = json.loads(args.out.read_text(encoding="utf-8"))
         document["provenance"]["texts"] = [f"stdlib docstring {Path(t).stem[4:]}" if Path(t).name.startswith("doc-")
                                            else t for t in document["provenance"]["texts"]]
-        document["provenance"]["regenerate"] = f"python scripts/train_head_weights.py --count {args.count} " \
-                                               f"--ablations {args.ablations}"
+        document["provenance"]["regenerate"] = (f"python -m sparseety.training.shipped_head_weights "
+                                                f"--count {args.count} --ablations {args.ablations}")
         args.out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     return code
 

@@ -19,7 +19,7 @@ their window (their keys beyond it are gone at run time anyway; they evict only 
 Fit. Per layer a ridge regression (``alpha`` 1, with intercept, kvpress's ``Ridge()``) from the hidden state
 to the ``K`` scores, solved exactly from streamed sums over every training token; or (``surrogate="mlp"``)
 a two-layer GELU MLP trained with AdamW on the MSE over a subsample. Requests are split into training and
-held-out ones by a seeded shuffle (:func:`sparseety.analysis.learn_policy.split_requests`).
+held-out ones by a seeded shuffle (:func:`sparseety.training.learned_policy.split_requests`).
 
 Held-out fidelity, per layer: Spearman's rank correlation of predicted and true scores over each
 held-out context's (token, KV head) pairs, and the recall of KVzip+'s kept set at ratio 0.5 (per KV head
@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from sparseety.analysis.learn_policy import check_trace_dir
+from sparseety.training.learned_policy import check_trace_dir
 from sparseety.errors import InputError
 from sparseety.policies.base import Observation, Policy, Signal
 from sparseety.policies.kvzap_model import Surrogate
@@ -267,8 +267,8 @@ class KVzapResult:
 def learn_kvzap(engine: Any, contexts: Sequence[Context], config: KVzapConfig, *, trace_dir: str, text_source: str,
                 on_progress: Callable[[str], None] | None = None) -> KVzapResult:
     """Capture, fit and evaluate (see the module docstring); the surrogate with its provenance filled in."""
-    from sparseety import __version__
-    from sparseety.analysis.learn_policy import NO_HELDOUT, split_requests
+    from sparseety.version import __version__
+    from sparseety.training.learned_policy import NO_HELDOUT, split_requests
     from sparseety.models.fingerprint import config_summary, model_fingerprint
 
     say = on_progress or (lambda _m: None)
