@@ -179,8 +179,8 @@ def ours(engine, contexts, held: list[int], per_text: int) -> dict:
     import torch
 
     from sparseety.training.kvzap_surrogate import capture
-    from sparseety.policies.kvzap_model import load_surrogate
-    from sparseety.policies.learned_model import shipped_file
+    from sparseety.policies.parts.kvzap_model import load_surrogate
+    from sparseety.policies.parts.learned_model import shipped_file
 
     path = shipped_file("kvzap-linear-", engine.model_info)
     surrogate = load_surrogate(path)

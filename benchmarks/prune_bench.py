@@ -35,7 +35,7 @@ import torch
 from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.models import load_model
 from sparseety.policies import build_policy
-from sparseety.policies.prune import PruneSchedule, parse_prune_schedule
+from sparseety.prune_schedule import PruneSchedule, parse_prune_schedule
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prune" / "prune.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")

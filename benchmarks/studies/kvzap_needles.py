@@ -46,8 +46,8 @@ def shipped_surrogate():
 
     from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model
-    from sparseety.policies.kvzap_model import load_surrogate
-    from sparseety.policies.learned_model import shipped_file
+    from sparseety.policies.parts.kvzap_model import load_surrogate
+    from sparseety.policies.parts.learned_model import shipped_file
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(DEFAULT_MODEL)

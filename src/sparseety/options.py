@@ -22,7 +22,7 @@ from sparseety.errors import InputError
 
 if TYPE_CHECKING:
     from sparseety.policies.base import Policy
-    from sparseety.policies.prune import PruneSchedule
+    from sparseety.prune_schedule import PruneSchedule
 
 ImportanceMode = Literal["attention", "value", "output", "learned"]
 #: what importance records (:mod:`sparseety.extract.scoring` describes each)
@@ -77,7 +77,7 @@ class GenerationOptions:
     speculative : draft this many tokens per step by prompt lookup (one sequence at a time).
     attention_topk : while decoding, attend only to this many highest-scoring held slots per KV head.
     prune, prune_opts : token pruning of the prompt forward: a
-        :class:`~sparseety.policies.prune.PruneSchedule`, or its text (``"8:0.3,16:0.5"`` or ``"default"``,
+        :class:`~sparseety.prune_schedule.PruneSchedule`, or its text (``"8:0.3,16:0.5"`` or ``"default"``,
         resolved against the model's depth) with options (``keep_recent``, ``sinks``, ``window``).
     seed : seed for seeded policies.
     """
@@ -152,7 +152,7 @@ class GenerationOptions:
         """The pruning schedule (text, ``default`` included, resolved against ``num_layers``), or None."""
         if self.prune is None or not isinstance(self.prune, str):
             return self.prune
-        from sparseety.policies.prune import parse_prune_schedule
+        from sparseety.prune_schedule import parse_prune_schedule
 
         return parse_prune_schedule(self.prune, dict(self.prune_opts), num_layers)
 

@@ -106,7 +106,7 @@ class RunFile(Section):
             return pruning
         if not pruning:
             return None
-        from sparseety.policies.prune import default_prune_schedule
+        from sparseety.prune_schedule import default_prune_schedule
 
         return "default" if num_layers is None else default_prune_schedule(num_layers)
 

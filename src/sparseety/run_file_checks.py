@@ -34,7 +34,7 @@ def _layers(extraction: ExtractionSection) -> None:
 
 
 def _pruning(sparsity: SparsitySection) -> None:
-    from sparseety.policies.prune import parse_prune_schedule
+    from sparseety.prune_schedule import parse_prune_schedule
 
     if isinstance(sparsity.token_pruning, str):
         parse_prune_schedule(sparsity.token_pruning)

@@ -97,7 +97,7 @@ def test_tune_fidelity_measures_pruning_beside_the_policy(tiny_engine, one_threa
     from sparseety.analysis.tune import tune_fidelity
     from sparseety.engine import EncodedInput
     from sparseety.policies import build_policy
-    from sparseety.policies.prune import parse_prune_schedule
+    from sparseety.prune_schedule import parse_prune_schedule
     from tiny_models import prompt_ids
 
     encoded = EncodedInput(prompt_ids(40, seed=3))

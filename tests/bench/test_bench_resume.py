@@ -56,7 +56,7 @@ def test_a_changed_policy_file_is_never_reused_on_resume(args: list[str], tmp_pa
     import torch
 
     from sparseety.models.fingerprint import model_fingerprint
-    from sparseety.policies.kvzap_model import Surrogate
+    from sparseety.policies.parts.kvzap_model import Surrogate
 
     fingerprint = model_fingerprint(build_model("llama"))
 

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 from tiny_models import build_model, build_tokenizer  # noqa: E402
 
 from sparseety.cli import app  # noqa: E402
-from sparseety.policies.learned_features import feature_names  # noqa: E402
-from sparseety.policies.learned_model import read_predictor  # noqa: E402
+from sparseety.policies.parts.learned_features import feature_names  # noqa: E402
+from sparseety.policies.parts.learned_model import read_predictor  # noqa: E402
 
 PROMPT = " ".join(f"t{4 + (i * 7) % 150}" for i in range(36))
 

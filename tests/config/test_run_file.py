@@ -68,7 +68,7 @@ def test_a_missing_file(tmp_path):
 def test_token_pruning_true_scales_with_depth():
     file = RunFile(sparsity={"token_pruning": True})
     assert file.prune_schedule(num_layers=16) == "3:0.3,7:0.5"
-    from sparseety.policies.prune import parse_prune_schedule
+    from sparseety.prune_schedule import parse_prune_schedule
 
     assert parse_prune_schedule("default", num_layers=16) == parse_prune_schedule("3:0.3,7:0.5")
     assert RunFile(sparsity={"token_pruning": "8:0.3"}).prune_schedule() == "8:0.3"

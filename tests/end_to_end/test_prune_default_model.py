@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from sparseety.cli import app
 from sparseety.engine import encode_prompt
 from sparseety.policies import build_policy
-from sparseety.policies.prune import parse_prune_schedule
+from sparseety.prune_schedule import parse_prune_schedule
 
 TEXT = Path("/usr/share/common-licenses/GPL-3").read_text(encoding="utf-8")[:900]
 NEW = 8

@@ -21,7 +21,7 @@ from sparseety.engine.request import GenerationOptions, RequestStatus
 from sparseety.engine.scheduler import KVLimitError
 from sparseety.errors import InputError
 from sparseety.policies import build_policy
-from sparseety.policies.prune import parse_prune_schedule
+from sparseety.prune_schedule import parse_prune_schedule
 
 NEW = 10
 SCORE_RTOL = 1e-4

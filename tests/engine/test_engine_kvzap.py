@@ -13,7 +13,7 @@ from sparseety.engine import EncodedInput
 from sparseety.engine.request import GenerationOptions
 from sparseety.models.fingerprint import model_fingerprint
 from sparseety.policies import build_policy
-from sparseety.policies.kvzap_model import Surrogate
+from sparseety.policies.parts.kvzap_model import Surrogate
 
 
 def surrogate_file(engine, tmp_path_factory, seed: int = 0):
@@ -79,7 +79,7 @@ def test_hidden_states_reach_only_a_policy_that_reads_them(engine_for, files):
 def test_per_head_counts_refuse_attention_topk_and_run_with_speculation_and_pruning(engine_for, files):
     """Per-head layers can neither rank one shared top-k nor take rejected drafts back (typed refusals naming
     the way out, per_head=false, which then composes with both); prompt pruning composes."""
-    from sparseety.policies.prune import parse_prune_schedule
+    from sparseety.prune_schedule import parse_prune_schedule
     from sparseety.errors import ConfigError, InputError
 
     engine = engine_for("llama")

@@ -21,7 +21,7 @@ from sparseety.engine.request import GenerationOptions
 from sparseety.errors import ConfigError, InputError, SparseetyError
 from sparseety.policies import build_policy
 from sparseety.policies.kvzip import PREVIOUS_TAIL, REPEAT_PART_PROMPT, REPEAT_PROMPT
-from sparseety.policies.prune import parse_prune_schedule
+from sparseety.prune_schedule import parse_prune_schedule
 
 NEW = 8
 

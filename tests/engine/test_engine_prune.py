@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparseety.engine import EncodedInput
 from sparseety.policies import build_policy
-from sparseety.policies.prune import parse_prune_schedule
+from sparseety.prune_schedule import parse_prune_schedule
 
 PROMPT, NEW = 40, 6
 SEEN = PROMPT + NEW - 1

@@ -15,7 +15,7 @@ from sparseety.errors import ConfigError
 from sparseety.policies import build_policy, get_policy_class, list_policies
 from sparseety.policies.base import Observation, select_keep
 from sparseety.policies.compactor import sketch
-from sparseety.policies.rotary import rotate
+from sparseety.policies.parts.rotary import rotate
 
 
 def rope_matrix(position: float, inv_freq: np.ndarray, d: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from sparseety.errors import ConfigError
 from sparseety.policies import build_policy, get_policy_class, list_policies
 from sparseety.policies.base import Observation, select_keep
 from sparseety.policies.expected_attention import ExpectedAttentionPolicy
-from sparseety.policies.rotary import inverse_frequencies, rotate, unrotate
+from sparseety.policies.parts.rotary import inverse_frequencies, rotate, unrotate
 
 
 def rope_matrix(position: float, inv_freq: np.ndarray, d: int) -> np.ndarray:

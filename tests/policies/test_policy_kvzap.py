@@ -25,8 +25,8 @@ from sparseety.errors import ConfigError  # noqa: E402
 from sparseety.models.fingerprint import model_fingerprint  # noqa: E402
 from sparseety.policies import build_policy  # noqa: E402
 from sparseety.policies.base import ModelInfo  # noqa: E402
-from sparseety.policies.kvzap_model import Surrogate, read_surrogate  # noqa: E402
-from sparseety.policies.learned_model import WEIGHTS_DIR  # noqa: E402
+from sparseety.policies.parts.kvzap_model import Surrogate, read_surrogate  # noqa: E402
+from sparseety.policies.parts.learned_model import WEIGHTS_DIR  # noqa: E402
 
 LAYERS, HIDDEN, KV = 4, 64, 2
 

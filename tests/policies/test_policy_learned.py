@@ -21,8 +21,8 @@ from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
 from sparseety.errors import ConfigError, InputError  # noqa: E402
 from sparseety.policies import Observation, build_policy  # noqa: E402
 from sparseety.policies.base import ModelInfo  # noqa: E402
-from sparseety.policies.learned_features import feature_names, slot_features  # noqa: E402
-from sparseety.policies.learned_model import Predictor, read_predictor  # noqa: E402
+from sparseety.policies.parts.learned_features import feature_names, slot_features  # noqa: E402
+from sparseety.policies.parts.learned_model import Predictor, read_predictor  # noqa: E402
 from sparseety.store import write_trace  # noqa: E402
 
 EPS = 1e-3

@@ -144,7 +144,7 @@ def test_pruning_of_a_real_tiny_run_matches_the_engines_layer_counts():
     from sparseety.engine import SparseEngine
     from sparseety.engine.inputs import EncodedInput
     from sparseety.policies import build_policy
-    from sparseety.policies.prune import PruneSchedule
+    from sparseety.prune_schedule import PruneSchedule
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

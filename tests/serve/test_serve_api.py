@@ -442,7 +442,7 @@ def test_spans_reach_an_otlp_endpoint(engine):
 def test_a_pruning_server_reports_pruned_tokens_and_matches_the_engine(engine):
     """``--prune-schedule`` and ``--attention-topk`` apply to every request; usage counts the pruned tokens."""
     from sparseety.policies import build_policy
-    from sparseety.policies.prune import parse_prune_schedule
+    from sparseety.prune_schedule import parse_prune_schedule
 
     prompt = "Repeat after me, slowly and clearly: the quick brown fox jumps over the lazy dog near the river bank."
     with live_server(engine, policy="streaming", budget=BUDGET, prune_schedule="8:0.5", attention_topk=12) as srv:

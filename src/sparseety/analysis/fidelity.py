@@ -20,7 +20,7 @@ from sparseety.errors import InputError
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput, SparseEngine
     from sparseety.policies import Policy
-    from sparseety.policies.prune import PruneSchedule
+    from sparseety.prune_schedule import PruneSchedule
 
 
 def teacher_forced_logprobs(engine: SparseEngine, encoded: EncodedInput, policy: Policy,

@@ -113,7 +113,7 @@ def _learn_kvzip(trace_dir: Path, out: Path, model: str | None, surrogate: str, 
     from sparseety.errors import ConfigError
     from sparseety.models import load_model
     from sparseety.output_paths import save_or_salvage
-    from sparseety.policies.kvzap_model import SURROGATES
+    from sparseety.policies.parts.kvzap_model import SURROGATES
     from sparseety.threads import use_threads
 
     if surrogate not in SURROGATES:

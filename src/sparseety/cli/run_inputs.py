@@ -22,7 +22,7 @@ from sparseety.request_json import check_text_size
 if TYPE_CHECKING:
     from sparseety.engine import EncodedInput
     from sparseety.policies import Policy
-    from sparseety.policies.prune import PruneSchedule
+    from sparseety.prune_schedule import PruneSchedule
 
 MODEL_OPT = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id.")
 PROMPT_OPT = typer.Option(None, "--prompt", help="Prompt text.")
@@ -118,7 +118,7 @@ class RunInputs:
         """The flags as :class:`~sparseety.options.GenerationOptions` (with ``changes``); a refused value is an
         error naming its flag."""
         from sparseety.policies import parse_policy_opts
-        from sparseety.policies.prune import parse_prune_opts
+        from sparseety.prune_schedule import parse_prune_opts
 
         try:
             return GenerationOptions(
@@ -180,7 +180,7 @@ class RunInputs:
 
     def prune_for(self, num_layers: int = 30) -> PruneSchedule | None:
         """The pruning schedule (``default`` resolved against ``num_layers``), or None."""
-        from sparseety.policies.prune import parse_prune_opts, parse_prune_schedule
+        from sparseety.prune_schedule import parse_prune_opts, parse_prune_schedule
 
         if self.prune_schedule is None:
             return None

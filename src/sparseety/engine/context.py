@@ -36,7 +36,7 @@ from sparseety.policies.base import (
     select_evict,
     select_keep,
 )
-from sparseety.policies.rotary import inverse_frequencies
+from sparseety.policies.parts.rotary import inverse_frequencies
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
 

@@ -21,7 +21,7 @@ import torch
 
 from sparseety.engine.cache import SparseLayer
 from sparseety.policies.base import select_keep
-from sparseety.policies.prune import PruneSchedule, prune_count
+from sparseety.prune_schedule import PruneSchedule, prune_count
 
 _HOOKED = "_sparseety_layer_hooks"
 _ROW_KWARGS = ("position_ids",)

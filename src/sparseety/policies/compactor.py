@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from sparseety.errors import ConfigError
 from sparseety.policies.base import Observation, Policy, check_positive_int, protect, recent_mask
 from sparseety.policies.expected_attention import ALL_ROWS
-from sparseety.policies.rotary import unrotate
+from sparseety.policies.parts.rotary import unrotate
 
 
 def _znorm(x: torch.Tensor) -> torch.Tensor:

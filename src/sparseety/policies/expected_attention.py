@@ -10,7 +10,7 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import Observation, Policy, check_positive_int, protect
-from sparseety.policies.rotary import mean_rotate, mean_rotation, mean_rotation_coefficients, unrotate
+from sparseety.policies.parts.rotary import mean_rotate, mean_rotation, mean_rotation_coefficients, unrotate
 
 ALL_ROWS = 1 << 40  #: :meth:`Policy.query_rows` for "every row of the prompt"
 

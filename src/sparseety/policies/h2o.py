@@ -17,7 +17,7 @@ from sparseety.policies.base import (
     protect,
     recent_mask,
 )
-from sparseety.policies.value_aware import check_value_aware, value_weighted
+from sparseety.policies.parts.value_aware import check_value_aware, value_weighted
 
 
 @dataclass
@@ -35,7 +35,7 @@ class H2OPolicy(Policy):
     ``prefill_rows`` tokens, or ``prefill_rows=0``, get the exact H2O score.
 
     ``value_aware=true`` is H2O w/ VATP: the accumulated score times each slot's ``‖v‖₁``, and the first
-    4 positions kept (:mod:`sparseety.policies.value_aware`).
+    4 positions kept (:mod:`sparseety.policies.parts.value_aware`).
     """
 
     name: ClassVar[str] = "h2o"

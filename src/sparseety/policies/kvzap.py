@@ -1,6 +1,6 @@
 """``kvzap``: KVzap (Jegou et al., 2026, arXiv 2601.07891; kvpress's ``KVzapPress``): KVzip at prefill cost.
 
-A surrogate per layer (:mod:`sparseety.policies.kvzap_model`, linear or a two-layer MLP) reads the
+A surrogate per layer (:mod:`sparseety.policies.parts.kvzap_model`, linear or a two-layer MLP) reads the
 hidden states that enter the layer's attention block and predicts, per token and KV head, the log
 KVzip+ score the token would get from KVzip's reconstruction pass (``sparseety learn-policy --target
 kvzip`` trains it). No extra pass: a token is scored once, when it is written, so decoding evicts too.
@@ -17,8 +17,8 @@ import torch
 from sparseety.errors import ConfigError
 from sparseety.policies.base import (ModelInfo, Observation, Policy, Signal, check_positive_int, protect, recent_mask,
                                      share_heads, share_layers)
-from sparseety.policies.kvzap_model import SURROGATES, TRAIN_HINT, Surrogate, load_surrogate
-from sparseety.policies.learned_model import check_trained_for, shipped_file
+from sparseety.policies.parts.kvzap_model import SURROGATES, TRAIN_HINT, Surrogate, load_surrogate
+from sparseety.policies.parts.learned_model import check_trained_for, shipped_file
 
 
 @dataclass

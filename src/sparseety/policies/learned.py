@@ -14,8 +14,8 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import ModelInfo, Observation, Policy, Signal
-from sparseety.policies.learned_features import attention_share, feature_names, slot_features
-from sparseety.policies.learned_model import Predictor, check_trained_for, load_predictor, shipped_file
+from sparseety.policies.parts.learned_features import attention_share, feature_names, slot_features
+from sparseety.policies.parts.learned_model import Predictor, check_trained_for, load_predictor, shipped_file
 
 HEAD_MODES = ("layer", "kv_head")
 
@@ -26,7 +26,7 @@ class LearnedPolicy(Policy):
 
     Every step (the prompt's, or the context's, last row at prefill, each decode row after) the slots of
     a layer are scored by the predictor of ``model`` (a file written by ``sparseety learn-policy``) from
-    the features of :mod:`sparseety.policies.learned_features`: position, recency, key norm, the
+    the features of :mod:`sparseety.policies.parts.learned_features`: position, recency, key norm, the
     attention the newest query gives the slot and the most it ever received, token class, layer and KV
     head. ``heads="layer"`` averages the scores over the layer's KV heads, so every KV head keeps one
     shared set (as ``tova`` does by default); ``heads="kv_head"`` lets every KV head keep its own.

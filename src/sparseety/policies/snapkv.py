@@ -17,7 +17,7 @@ from sparseety.policies.base import (
     protect,
     recent_mask,
 )
-from sparseety.policies.value_aware import check_value_aware, value_weighted
+from sparseety.policies.parts.value_aware import check_value_aware, value_weighted
 
 
 def window_vote(attention: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -48,7 +48,7 @@ class SnapKVPolicy(Policy):
     The window itself is always kept. While decoding, the budget is still enforced: each step's
     attention row is added to the vote (as H2O accumulates), and the newest ``window`` positions stay.
     ``value_aware=true`` (VATP) multiplies the pooled vote by each slot's ``‖v‖₁`` and keeps the first 4
-    positions (:mod:`sparseety.policies.value_aware`).
+    positions (:mod:`sparseety.policies.parts.value_aware`).
     """
 
     name: ClassVar[str] = "snapkv"

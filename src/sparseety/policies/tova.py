@@ -9,7 +9,7 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.policies.base import Observation, Policy, Signal
-from sparseety.policies.value_aware import check_value_aware, protect_sinks, value_norms
+from sparseety.policies.parts.value_aware import check_value_aware, protect_sinks, value_norms
 
 HEAD_MODES = ("layer", "kv_head")
 
@@ -23,7 +23,7 @@ class TOVAPolicy(Policy):
     layer, so all KV heads keep one shared set; ``heads="kv_head"`` averages only over each KV group's
     query heads, so every KV head keeps its own set. ``value_aware=true`` (VATP) multiplies each KV
     head's attention by its slots' ``‖v‖₁`` before the mean over heads, and keeps the first 4 positions
-    (:mod:`sparseety.policies.value_aware`).
+    (:mod:`sparseety.policies.parts.value_aware`).
     """
 
     name: ClassVar[str] = "tova"

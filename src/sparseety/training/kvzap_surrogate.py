@@ -43,7 +43,7 @@ import torch
 from sparseety.training.learned_policy import check_trace_dir
 from sparseety.errors import InputError
 from sparseety.policies.base import Observation, Policy, Signal
-from sparseety.policies.kvzap_model import Surrogate
+from sparseety.policies.parts.kvzap_model import Surrogate
 from sparseety.policies.kvzip import KVzipPolicy
 
 FLOOR = 1e-9

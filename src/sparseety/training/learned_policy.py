@@ -42,8 +42,8 @@ import torch
 
 from sparseety.errors import InputError
 from sparseety.policies.base import Observation, Policy, Signal
-from sparseety.policies.learned_features import attention_share, feature_names, slot_features
-from sparseety.policies.learned_model import Predictor
+from sparseety.policies.parts.learned_features import attention_share, feature_names, slot_features
+from sparseety.policies.parts.learned_model import Predictor
 
 KEEPS = (0.5, 0.25)
 
@@ -321,7 +321,7 @@ def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *,
     """Replay, label, split, fit and evaluate; returns the predictor with its provenance filled in."""
     from sparseety.version import __version__
     from sparseety.models.fingerprint import config_summary, model_fingerprint
-    from sparseety.policies.learned_features import class_table_for
+    from sparseety.policies.parts.learned_features import class_table_for
 
     say = on_progress or (lambda _m: None)
     info = engine.model_info

@@ -4,6 +4,9 @@ A schedule ``"8:0.3,16:0.5"`` means: after layer 8, drop 30% of the prompt token
 layer 16, another 50% of those left. Pruned tokens are absent from the hidden states of every later
 layer, so those layers neither compute nor cache them. Only the prompt forward is pruned (in the
 long-document protocol, the context forward); decode steps never are.
+
+This module is the schedule only (its text, parsing, checks and the ``default``), on the ground floor
+beside :mod:`sparseety.options` and the run files that read it; :mod:`sparseety.engine.prune` applies it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Tensors (``L`` layers, ``D`` hidden size, ``H`` MLP width, ``0`` for the linear 
 ``x @ w2 + b2`` (linear) or ``gelu(x @ w1 + b1) @ w2 + b2`` (MLP), as kvpress's ``KVzapModel``. Metadata
 (strings): ``format``, ``format_version``, ``model``, ``model_fingerprint``, ``surrogate`` (``linear`` or
 ``mlp``) and ``provenance`` (JSON: text, target, held-out fidelity). Read with the one loader of trained
-policy files (:func:`sparseety.policies.learned_model.read_weights`).
+policy files (:func:`sparseety.policies.parts.learned_model.read_weights`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.policies.learned_model import cached, read_weights
+from sparseety.policies.parts.learned_model import cached, read_weights
 
 FORMAT = "sparseety-kvzap-surrogate"
 FORMAT_VERSION = "1"

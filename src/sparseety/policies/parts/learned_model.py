@@ -25,7 +25,7 @@ FORMAT = "sparseety-learned-policy"
 FORMAT_VERSION = "1"
 _TENSORS = ("mean", "std", "w1", "b1", "w2", "b2", "token_class")
 #: Trained files that ship with the package (``learned-<model>``, ``kvzap-<surrogate>-<model>``).
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  #: policies/weights/, the shipped files
 
 
 @dataclass
