@@ -11,9 +11,9 @@ traces)::
 Same texts, same split. The training traces' prompts (``--requests 26``: the first 26, the shipped
 ``kvzap-linear-smollm2-135m`` surrogate's set, as :mod:`sparseety.training.shipped_policies` says) are the
 contexts ``sparseety learn-policy --target kvzip`` reads; the user turn of each (the document, then the
-question) is handed to kvpress as text, and requests are split into training and held-out ones exactly as ``learn-policy`` splits them
-(:func:`sparseety.training.learned_policy.split_requests`, hold-out 0.25, seed 0). The Nemotron download that
-``kvzap/train.py`` would make is the only part replaced.
+question) is handed to kvpress as text, and requests are split into training and held-out ones exactly as
+``learn-policy`` splits them (:func:`sparseety.training.learned_policy.split_requests`, hold-out 0.25, seed 0).
+The Nemotron download that ``kvzap/train.py`` would make is the only part replaced.
 
 kvpress side (``benchmarks/.kvpress-venv``, see ``benchmarks/kvpress_compare.py``; this script adds
 ``scikit-learn`` and ``skorch`` to it, which ``kvzap/train.py`` imports). kvpress's ``kvzap/`` folder does

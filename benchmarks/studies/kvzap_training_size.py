@@ -42,7 +42,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from sparseety.training.kvzap_surrogate import KVzapConfig, _RidgeSums, capture, kept_recall, read_contexts, spearman
+    from sparseety.training.kvzap_surrogate import (KVzapConfig, _RidgeSums, capture, kept_recall, read_contexts,
+                                                    spearman)
     from sparseety.training.learned_policy import split_requests
     from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model

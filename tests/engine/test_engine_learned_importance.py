@@ -1,8 +1,7 @@
-"""``--importance learned``: per-(layer, head) weights at the hook point, the weights file, and the fit.
+"""``--importance learned``: per-(layer, head) weights at the hook point and the weights file.
 
 The reference is the never-wrapped eager computation of ``test_engine_importance_modes`` with each
-head's term multiplied by its weight; the training features (:func:`head_features`) must give the
-engine's own scores.
+head's term multiplied by its weight. The fit and its features: ``tests/training/test_training_head_weights.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from tiny_models import build_model, prompt_ids
 from sparseety.engine import EncodedInput
 from sparseety.errors import ConfigError
 from sparseety.extract.head_weights import HeadWeights, read_head_weights
-from sparseety.training.head_weights import TrainingPrompt, fit_weights, head_features, mean_correlation
 from sparseety.policies import build_policy
 
 NEW = 5
@@ -73,19 +71,6 @@ def test_learned_scores_equal_the_weighted_eager_reference(engine_for, family, f
     assert extraction["importance"] == "learned" and extraction["importance_feature"] == feature
 
 
-def test_training_features_are_the_engines_scores(engine_for):
-    engine = engine_for("llama")
-    weights = weights_for(engine, "output", seed=3)
-    prompt = prompt_ids(18, seed=6)[0].tolist()
-    result = engine.generate(EncodedInput(torch.tensor([prompt])), build_policy("dense"), max_new_tokens=NEW,
-                             importance="learned", importance_weights=weights)
-    features = head_features(engine, prompt, result.output_ids, "output")  # [layers, heads, n]
-    assert features.shape == (engine.num_layers, engine.num_heads, 18)
-    predicted = (features * weights.weights.unsqueeze(-1)).sum(dim=1) / engine.num_heads
-    np.testing.assert_allclose(result.arrays["importance"][:, :18].astype(np.float64), predicted.double().numpy(),
-                               rtol=2e-3, atol=1e-4)
-
-
 def test_weights_file_round_trip_and_refusals(engine_for, tmp_path):
     engine = engine_for("llama")
     weights = weights_for(engine, "value")
@@ -129,19 +114,3 @@ def test_learned_without_weights_names_the_model(engine_for):
     engine = engine_for("llama")
     with pytest.raises(ConfigError, match="no shipped weights for model 'tiny-llama'.*--importance-weights"):
         engine.generate(EncodedInput(prompt_ids(8)), build_policy("dense"), max_new_tokens=2, importance="learned")
-
-
-def test_fit_recovers_weights_that_explain_the_drops():
-    """Drops made by known non-negative weights: the fit predicts them (correlation ~1), uniform weights do not."""
-    generator = torch.Generator().manual_seed(0)
-    truth = torch.zeros(3, 4)
-    truth[1, 2], truth[2, 0] = 3.0, 1.0
-    prompts = []
-    for _ in range(4):
-        features = torch.rand(3, 4, 12, generator=generator)
-        masks = (torch.rand(40, 12, generator=generator) < 0.2).float()
-        drops = masks @ (features * truth.unsqueeze(-1)).sum(dim=(0, 1))
-        prompts.append(TrainingPrompt("p", features, masks, drops))
-    fitted = fit_weights(prompts, steps=300)
-    assert bool((fitted >= 0).all()) and float(fitted.mean()) == pytest.approx(1.0)
-    assert mean_correlation(prompts, fitted) > 0.99 > mean_correlation(prompts, torch.ones(3, 4)) + 0.05

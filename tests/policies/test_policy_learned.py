@@ -16,14 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from tiny_models import build_model, build_tokenizer, kept_after_step, prompt_ids  # noqa: E402
 
-from sparseety.training.learned_policy import TrainConfig, heavy_hitters, kept_by, learn, read_examples  # noqa: E402
 from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
-from sparseety.errors import ConfigError, InputError  # noqa: E402
+from sparseety.errors import ConfigError  # noqa: E402
 from sparseety.policies import Observation, build_policy  # noqa: E402
 from sparseety.policies.base import ModelInfo  # noqa: E402
 from sparseety.policies.parts.learned_features import feature_names, slot_features  # noqa: E402
 from sparseety.policies.parts.learned_model import Predictor, read_predictor  # noqa: E402
 from sparseety.store import write_trace  # noqa: E402
+from sparseety.training.learned_policy import TrainConfig, learn, read_examples  # noqa: E402
 
 EPS = 1e-3
 
@@ -160,12 +160,6 @@ def test_layer_mode_shares_one_score_per_position(tmp_path):
     torch.testing.assert_close(state, obs.attention * 5)
 
 
-def test_heavy_hitters_and_kept_sets_break_ties_by_position():
-    assert heavy_hitters(np.array([0.0, 3.0, 1.0, 3.0, 2.0]), 0.4).tolist() == [False, True, False, True, False]
-    assert kept_by(np.array([1.0, 1.0, 5.0, 0.0]), 0.5).tolist() == [True, False, True, False]
-    assert kept_by(np.array([9.0, 1.0, 5.0, 0.0]), 0.5, protect_recent=1).tolist() == [True, False, False, True]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Tier-3 dense traces of tiny llama (long-document protocol), a predictor trained on them, and the engine."""
@@ -215,14 +209,6 @@ def test_a_run_on_another_model_is_refused_naming_both(trained):
     assert "tiny-llama" in str(err.value) and "tiny-qwen2" in str(err.value)
 
 
-def test_no_tier3_traces_is_a_clear_error(tmp_path, trained):
-    engine, _, _ = trained
-    write_trace(engine.generate(EncodedInput(prompt_ids(20)), build_policy("dense"), max_new_tokens=2, tier=2),
-                tmp_path / "t2")
-    with pytest.raises(InputError, match="no tier-3 traces"):
-        read_examples(tmp_path / "t2")
-
-
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_batched_and_chunked_prefill_keep_the_same_sets_as_alone(trained, chunk):
     """Token ids reach the policy per chunk as they do in one prefill; a batch neighbour changes nothing."""
@@ -237,22 +223,3 @@ def test_batched_and_chunked_prefill_keep_the_same_sets_as_alone(trained, chunk)
         assert b.output_ids == a.output_ids
         assert b.kept_positions_final == a.kept_positions_final
         np.testing.assert_array_equal(b.arrays["evicted.position"], a.arrays["evicted.position"])
-
-
-def test_the_label_is_the_most_or_the_summed_attention_later_steps_gave_each_context_position(trained):
-    from sparseety.store import connect, load_trace
-
-    _, _, path = trained
-    root = Path(read_predictor(path).provenance["trace_dir"])
-    by_max = {e.request_id: e for e in read_examples(root)}
-    by_sum = {e.request_id: e for e in read_examples(root, label="sum")}
-    by_question = {e.request_id: e for e in read_examples(root, label="question")}
-    ((request_id,),) = connect(root).sql("SELECT request_id FROM requests ORDER BY request_id LIMIT 1").fetchall()
-    steps = load_trace(root, request_id).arrays["step_importance"]  # [steps, layers, seen]
-    later = np.nan_to_num(steps[1:, :, :32].astype(np.float32))  # the context is the first 32 tokens
-    np.testing.assert_allclose(by_max[request_id].future, later.max(axis=0))
-    np.testing.assert_allclose(by_sum[request_id].future, later.sum(axis=0), rtol=1e-6)
-    np.testing.assert_array_equal(by_question[request_id].future, later[0])  # the first row after the prefill
-    assert "the maximum" in read_predictor(path).provenance["label"]
-    with pytest.raises(InputError, match="label must be one of max, sum, question"):
-        read_examples(root, label="mean")
