@@ -91,8 +91,36 @@ def request_rows(
         created = created.replace(tzinfo=UTC)
     tier = result.tier if (sampled or result.tier >= 3) else min(result.tier, 1)
     full = tier >= 2
-    token_ids = np.asarray(result.prompt_ids + result.output_ids, dtype=np.int64)
+    kept = _kept(result, options, full, extra)
+    arrays = result.arrays if full else {}
+    events, signals, manifest = _split_arrays(result.request_id, arrays, kept.token_ids if kept.masked else None)
+    records = result.important_tokens if full else []
+    document = _document(result, tier, manifest, full)
+    request = _request_row(result, options, kept, tier=tier, created=created, sample_rate=sample_rate,
+                           document=document)
+    tables = {
+        "requests": [request],
+        "token_events": events,
+        "important_tokens": _important(result.request_id, records, kept.token_ids, kept.texts, kept.masked, options),
+        "signals": signals,
+    }
+    return RequestRows(result.request_id, created, {k: v for k, v in tables.items() if len(v)})
 
+
+@dataclass
+class _Kept:
+    """What a request's rows may hold after ``--redact`` and ``--ids-only``."""
+
+    token_ids: np.ndarray  #: (prompt + output,) int64; a redacted token's id is :data:`REDACTED_ID`
+    texts: list[str] | None  #: one text per token (tier 2 and up), None when not stored
+    text: str | None  #: the output text
+    masked: dict[int, str]  #: position -> placeholder of each redacted token
+    extra: dict[str, Any] | None  #: the caller's extra fields
+
+
+def _kept(result: RunResult, options: StoreOptions, full: bool, extra: dict[str, Any] | None) -> _Kept:
+    """Apply the privacy options to the token ids, the texts and ``extra``."""
+    token_ids = np.asarray(result.prompt_ids + result.output_ids, dtype=np.int64)
     texts: list[str] | None = list(result.token_texts) if full and result.token_texts else None
     text: str | None = result.text
     masked: dict[int, str] = {}
@@ -107,14 +135,16 @@ def request_rows(
         texts, text = None, None
     if extra is not None and (options.redact or options.ids_only):
         extra = redact_value(extra, drop_text=options.ids_only) if options.redact else _drop_text(extra)
+    return _Kept(token_ids, texts, text, masked, extra)
 
-    arrays = result.arrays if full else {}
-    events, signals, manifest = _split_arrays(result.request_id, arrays, token_ids if masked else None)
-    records = result.important_tokens if full else []
-    document = _document(result, tier, manifest, full)
+
+def _request_row(result: RunResult, options: StoreOptions, kept: _Kept, *, tier: int, created: datetime,
+                 sample_rate: float, document: dict[str, Any]) -> dict[str, Any]:
+    """The request's one row of the ``requests`` table."""
+    full = tier >= 2
     prov = result.provenance or {}
     n_prompt = len(result.prompt_ids)
-    request = {
+    return {
         "schema_version": SCHEMA_VERSION,
         "request_id": result.request_id,
         "created_at": created,
@@ -141,22 +171,15 @@ def request_rows(
         "kv_cache_bytes_dense": result.kv_cache_bytes_dense,
         "prefill_s": float(result.prefill_s),
         "decode_s": float(result.decode_s),
-        "prompt_token_ids": token_ids[:n_prompt].tolist() if full else None,
-        "output_token_ids": token_ids[n_prompt:].tolist() if full else None,
-        "text": text if full else None,
-        "token_texts": texts,
+        "prompt_token_ids": kept.token_ids[:n_prompt].tolist() if full else None,
+        "output_token_ids": kept.token_ids[n_prompt:].tolist() if full else None,
+        "text": kept.text if full else None,
+        "token_texts": kept.texts,
         "redacted": options.redact,
         "ids_only": options.ids_only,
         "document_json": json.dumps(document, default=_json_default),
-        "extra_json": None if extra is None else json.dumps(extra, default=_json_default),
+        "extra_json": None if kept.extra is None else json.dumps(kept.extra, default=_json_default),
     }
-    tables = {
-        "requests": [request],
-        "token_events": events,
-        "important_tokens": _important(result.request_id, records, token_ids, texts, masked, options),
-        "signals": signals,
-    }
-    return RequestRows(result.request_id, created, {k: v for k, v in tables.items() if len(v)})
 
 
 def _document(result: RunResult, tier: int, manifest: dict[str, Any], full: bool) -> dict[str, Any]:

@@ -48,30 +48,15 @@ def synthetic_result(
     position = rng.integers(0, prompt_len, n)
     arrays: dict[str, np.ndarray] = {}
     if tier >= 1 and n:
-        arrays.update({
-            "evicted.step": np.repeat(steps, layers * kv_heads * events_per_step).astype(np.int64),
-            "evicted.layer": np.tile(np.repeat(np.arange(layers), kv_heads * events_per_step), len(steps)).astype(np.int64),
-            "evicted.kv_head": np.tile(np.repeat(np.arange(kv_heads), events_per_step), len(steps) * layers).astype(np.int64),
-            "evicted.position": position.astype(np.int64),
-            "evicted.token_id": ids[position].astype(np.int64),
-            "evicted.score": rng.random(n).astype(np.float32),
-        })
+        arrays.update(_eviction_arrays(rng, ids, position, steps, layers, kv_heads, events_per_step))
     records: list[TokenRecord] = []
     texts: list[str] = []
     if tier >= 2:
         importance = rng.random((layers, seen)).astype(np.float16)
         arrays["importance"] = importance
-        for layer in range(layers):
-            best = np.argsort(-importance[layer].astype(np.float32), kind="stable")[:top_k]
-            for rank, pos in enumerate(best):
-                records.append(TokenRecord(
-                    token_id=int(ids[pos]), position=int(pos), score=float(importance[layer, pos]), layer=layer,
-                    step=None, head=None, rank=rank, token_type="prompt" if pos < prompt_len else "generated",
-                    text=f" w{int(ids[pos])}"))
+        records = _important_records(importance, ids, prompt_len, top_k)
         texts = [f" w{int(i)}" for i in ids]
-        for layer in range(experts and layers):
-            probs = rng.random((seen, experts)).astype(np.float32)
-            arrays[f"router.{layer}"] = (probs / probs.sum(1, keepdims=True)).astype(np.float16)
+        arrays.update(_router_arrays(rng, seen, layers, experts))
     if tier >= 3:
         arrays["step_importance"] = rng.random((new_tokens, layers, seen)).astype(np.float16)
     return RunResult(
@@ -101,3 +86,40 @@ def synthetic_result(
                     "extraction": {"score_type": "attention", "top_k": top_k}},
         arrays=arrays,
     )
+
+
+def _eviction_arrays(rng: np.random.Generator, ids: np.ndarray, position: np.ndarray, steps: np.ndarray,
+                     layers: int, kv_heads: int, events_per_step: int) -> dict[str, np.ndarray]:
+    """The ``evicted.*`` event group: ``events_per_step`` events per decode step, layer and KV head, in that
+    order; each array ``(len(steps) * layers * kv_heads * events_per_step,)``."""
+    n = len(position)
+    return {
+        "evicted.step": np.repeat(steps, layers * kv_heads * events_per_step).astype(np.int64),
+        "evicted.layer": np.tile(np.repeat(np.arange(layers), kv_heads * events_per_step), len(steps)).astype(np.int64),
+        "evicted.kv_head": np.tile(np.repeat(np.arange(kv_heads), events_per_step), len(steps) * layers).astype(np.int64),
+        "evicted.position": position.astype(np.int64),
+        "evicted.token_id": ids[position].astype(np.int64),
+        "evicted.score": rng.random(n).astype(np.float32),
+    }
+
+
+def _important_records(importance: np.ndarray, ids: np.ndarray, prompt_len: int, top_k: int) -> list[TokenRecord]:
+    """The ``top_k`` most important positions of each layer of ``importance`` ``[layers, positions]``."""
+    records: list[TokenRecord] = []
+    for layer in range(importance.shape[0]):
+        best = np.argsort(-importance[layer].astype(np.float32), kind="stable")[:top_k]
+        for rank, pos in enumerate(best):
+            records.append(TokenRecord(
+                token_id=int(ids[pos]), position=int(pos), score=float(importance[layer, pos]), layer=layer,
+                step=None, head=None, rank=rank, token_type="prompt" if pos < prompt_len else "generated",
+                text=f" w{int(ids[pos])}"))
+    return records
+
+
+def _router_arrays(rng: np.random.Generator, seen: int, layers: int, experts: int) -> dict[str, np.ndarray]:
+    """``router.<layer>`` ``[positions, experts]`` float16 rows that sum to 1; none when ``experts`` is 0."""
+    arrays: dict[str, np.ndarray] = {}
+    for layer in range(experts and layers):
+        probs = rng.random((seen, experts)).astype(np.float32)
+        arrays[f"router.{layer}"] = (probs / probs.sum(1, keepdims=True)).astype(np.float16)
+    return arrays
