@@ -522,7 +522,7 @@ SITECUSTOMIZE = textwrap.dedent('''
 
             def exec_renamed(module):
                 import linecache, re
-                source = re.sub(r"\bpreempted_hits\b", "preempted_hits_renamed", open(spec.origin).read())
+                source = re.sub(r"\\bpreempted_hits\\b", "preempted_hits_renamed", open(spec.origin).read())
                 fake = spec.origin + ":renamed"
                 linecache.cache[fake] = (len(source), None, source.splitlines(True), fake)
                 module.__file__ = fake

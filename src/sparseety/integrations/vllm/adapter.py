@@ -12,6 +12,13 @@ backend's class is known only at the first forward; its needs (:data:`IMPL_NEEDS
 The readers below turn vLLM's objects into SparSEEty's own types (:mod:`.messages`, plain lists for what
 goes over a channel); the rest of the integration never reads a vLLM object. :func:`patch` installs a
 wrapper (marked with :data:`.hooks.MARK`). This module imports neither vLLM nor torch at import time.
+
+A new hook (a sliding-window free in the hybrid KV cache manager's ``SingleTypeKVCacheManager``, the MoE
+router's ``set_capture_fn``, a KV-cache spec from the spec registry, a scheduler class) is: its name and
+what is lost without it in :data:`HOOKS`, its methods and attributes as :class:`Need` s in :data:`NEEDS`
+(or checked with :func:`check_class` when its class is found at run time), a reader here that returns
+SparSEEty's own type, and its :func:`patch` where the plugin installs hooks. The never-down test and the
+internals page then cover it without further work.
 """
 
 from __future__ import annotations
