@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -77,90 +78,104 @@ def timeline_rgb(timeline: EvictionTimeline, layers: list[int], positions: int, 
 
 
 def _trace_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
-    figures: list[tuple[str, Any]] = []
+    """The trace report's figures, ``(file name, draw(fig))``, for each part ``view`` holds, in a fixed order."""
+    shown = {
+        "importance": view["importance"] is not None,
+        "timeline": view["timeline"] is not None and bool(view["positions"]),
+        "kept_fraction": bool(view["kept_fraction"]),
+        "compare_kl": bool(_kl_per_step(view)),
+        "moe_load": bool(view["moe"]),
+        "drafts": bool(view["drafts"]),
+        "pruning": bool(view["pruning"]),
+    }
+    draws = {"importance": _importance, "timeline": _timeline, "kept_fraction": _kept_fraction,
+             "compare_kl": _compare_kl, "moe_load": _moe_load, "drafts": _drafts, "pruning": _pruning}
+    return [(name, functools.partial(draws[name], view=view)) for name, show in shown.items() if show]
+
+
+def _kl_per_step(view: dict[str, Any]) -> list[float | None] | None:
+    """KL(dense || sparse) per decode step from the comparison against dense, when the view has one."""
+    compare = view.get("compare") or {}
+    return (compare.get("fidelity") or {}).get("kl_per_step")
+
+
+def _timeline(fig: Any, view: dict[str, Any]) -> None:
+    """Each position's state at each step (``view["layer"]`` or all layers), and the slots held beside it."""
+    from matplotlib.patches import Patch
+
     layer = view["layer"]
     layer_name = "all layers" if layer is None else f"layer {layer}"
-    timeline: EvictionTimeline | None = view["timeline"]
-    if view["importance"] is not None:
-        figures.append(("importance", lambda fig: _importance(fig, view)))
-    if timeline is not None and view["positions"]:
-        layers = list(range(view["layers"])) if layer is None else [layer]
+    timeline: EvictionTimeline = view["timeline"]
+    layers = list(range(view["layers"])) if layer is None else [layer]
+    ax = fig.add_axes((0.07, 0.12, 0.62, 0.78))
+    rgb = timeline_rgb(timeline, layers, view["positions"], view["max_axis"])
+    ax.imshow(rgb, aspect="auto", interpolation="nearest",
+              extent=(0, view["positions"], timeline.steps - 0.5, -0.5))
+    ax.axvline(view["prompt_len"], color="#1f2933", linestyle=":", linewidth=1)
+    ax.set(xlabel="position", ylabel="decode step (0 = prefill)", title=f"Eviction timeline, {layer_name}")
+    states = len(STATE_LABELS) if timeline.window_edge is not None else 4
+    ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(STATE_COLORS[:states], STATE_LABELS)],
+              loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=states, fontsize=8, frameon=False)
+    side = fig.add_axes((0.77, 0.12, 0.21, 0.78))
+    kept = timeline.kept_per_step.mean(axis=0) if layer is None else timeline.kept_per_step[layer]
+    steps = np.arange(timeline.steps)
+    side.plot(kept, steps, color="#2b8cbe", label="slots held", zorder=3)
+    side.plot(np.minimum(view["prompt_len"] + steps, view["positions"]), steps, color="#9aa5b1", label="sequence")
+    if view["budget"]:
+        side.axvline(view["budget"], color="#d7301f", linestyle="--", label=f"budget {view['budget']}")
+    side.invert_yaxis()
+    side.set(xlabel="tokens per KV head", title="slots held")
+    side.legend(fontsize=8, frameon=False)
 
-        def draw_timeline(fig: Any) -> None:
-            from matplotlib.patches import Patch
 
-            ax = fig.add_axes((0.07, 0.12, 0.62, 0.78))
-            rgb = timeline_rgb(timeline, layers, view["positions"], view["max_axis"])
-            ax.imshow(rgb, aspect="auto", interpolation="nearest",
-                      extent=(0, view["positions"], timeline.steps - 0.5, -0.5))
-            ax.axvline(view["prompt_len"], color="#1f2933", linestyle=":", linewidth=1)
-            ax.set(xlabel="position", ylabel="decode step (0 = prefill)", title=f"Eviction timeline, {layer_name}")
-            states = len(STATE_LABELS) if timeline.window_edge is not None else 4
-            ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(STATE_COLORS[:states], STATE_LABELS)],
-                      loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=states, fontsize=8, frameon=False)
-            side = fig.add_axes((0.77, 0.12, 0.21, 0.78))
-            kept = timeline.kept_per_step.mean(axis=0) if layer is None else timeline.kept_per_step[layer]
-            steps = np.arange(timeline.steps)
-            side.plot(kept, steps, color="#2b8cbe", label="slots held", zorder=3)
-            side.plot(np.minimum(view["prompt_len"] + steps, view["positions"]), steps, color="#9aa5b1", label="sequence")
-            if view["budget"]:
-                side.axvline(view["budget"], color="#d7301f", linestyle="--", label=f"budget {view['budget']}")
-            side.invert_yaxis()
-            side.set(xlabel="tokens per KV head", title="slots held")
-            side.legend(fontsize=8, frameon=False)
+def _kept_fraction(fig: Any, view: dict[str, Any]) -> None:
+    """The final kept fraction of each layer (the viewed layer darker)."""
+    layer = view["layer"]
+    ax = fig.add_subplot()
+    values = view["kept_fraction"]
+    colors = ["#2b8cbe" if layer in (None, i) else "#a6cee3" for i in range(len(values))]
+    ax.bar(range(len(values)), values, color=colors)
+    ax.set(xlabel="layer", ylabel="kept fraction (final)", ylim=(0, 1), title="Kept fraction per layer")
 
-        figures.append(("timeline", draw_timeline))
-    if view["kept_fraction"]:
-        def draw_kept(fig: Any) -> None:
-            ax = fig.add_subplot()
-            values = view["kept_fraction"]
-            colors = ["#2b8cbe" if layer in (None, i) else "#a6cee3" for i in range(len(values))]
-            ax.bar(range(len(values)), values, color=colors)
-            ax.set(xlabel="layer", ylabel="kept fraction (final)", ylim=(0, 1), title="Kept fraction per layer")
 
-        figures.append(("kept_fraction", draw_kept))
-    compare = view.get("compare") or {}
-    kl = (compare.get("fidelity") or {}).get("kl_per_step")
-    if kl:
-        def draw_kl(fig: Any) -> None:
-            ax = fig.add_subplot()
-            values = np.array([np.nan if v is None else v for v in kl], dtype=float)
-            ax.plot(np.arange(len(values)), values, marker="o", markersize=3, color="#6b46c1")
-            ax.set(xlabel="decode step", ylabel="KL divergence (nats)", title="KL(dense ‖ sparse) per step")
-            ax.set_ylim(bottom=0)
+def _compare_kl(fig: Any, view: dict[str, Any]) -> None:
+    """KL divergence from dense at each decode step (a missing step left as a gap)."""
+    kl = _kl_per_step(view) or []
+    ax = fig.add_subplot()
+    values = np.array([np.nan if v is None else v for v in kl], dtype=float)
+    ax.plot(np.arange(len(values)), values, marker="o", markersize=3, color="#6b46c1")
+    ax.set(xlabel="decode step", ylabel="KL divergence (nats)", title="KL(dense ‖ sparse) per step")
+    ax.set_ylim(bottom=0)
 
-        figures.append(("compare_kl", draw_kl))
-    if view["moe"]:
-        def draw_moe(fig: Any) -> None:
-            moe = view["moe"]
-            ax = fig.add_subplot()
-            image = ax.imshow(np.array(moe["top1_share"]), aspect="auto", cmap="Blues", interpolation="nearest")
-            ax.set_yticks(range(len(moe["layers"])), [str(x) for x in moe["layers"]])
-            ax.set(xlabel="expert", ylabel="layer", title="Expert load: share of tokens routed first to each expert")
-            fig.colorbar(image, ax=ax, label="top-1 share")
 
-        figures.append(("moe_load", draw_moe))
-    if view["drafts"]:
-        def draw_drafts(fig: Any) -> None:
-            d = view["drafts"]
-            ax = fig.add_subplot()
-            ax.bar(d["step"], d["accepted"], color="#2f855a", label="accepted")
-            ax.bar(d["step"], d["rejected"], bottom=d["accepted"], color="#d7301f", label="rejected")
-            ax.set(xlabel="decode step", ylabel="draft tokens", title="Speculative drafts per step")
-            ax.legend(frameon=False)
+def _moe_load(fig: Any, view: dict[str, Any]) -> None:
+    """Each layer's share of tokens routed first to each expert."""
+    moe = view["moe"]
+    ax = fig.add_subplot()
+    image = ax.imshow(np.array(moe["top1_share"]), aspect="auto", cmap="Blues", interpolation="nearest")
+    ax.set_yticks(range(len(moe["layers"])), [str(x) for x in moe["layers"]])
+    ax.set(xlabel="expert", ylabel="layer", title="Expert load: share of tokens routed first to each expert")
+    fig.colorbar(image, ax=ax, label="top-1 share")
 
-        figures.append(("drafts", draw_drafts))
-    if view["pruning"]:
-        def draw_pruning(fig: Any) -> None:
-            p = view["pruning"]
-            ax = fig.add_subplot()
-            ax.bar(p["layers"], p["remaining"], color="#2b8cbe", label="tokens processed")
-            ax.bar(p["layers"], p["pruned"], bottom=p["remaining"], color="#fdae61", label="pruned")
-            ax.set(xlabel="layer", ylabel="tokens", title="Tokens per layer after pruning")
-            ax.legend(frameon=False)
 
-        figures.append(("pruning", draw_pruning))
-    return figures
+def _drafts(fig: Any, view: dict[str, Any]) -> None:
+    """Speculative draft tokens accepted and rejected at each decode step."""
+    d = view["drafts"]
+    ax = fig.add_subplot()
+    ax.bar(d["step"], d["accepted"], color="#2f855a", label="accepted")
+    ax.bar(d["step"], d["rejected"], bottom=d["accepted"], color="#d7301f", label="rejected")
+    ax.set(xlabel="decode step", ylabel="draft tokens", title="Speculative drafts per step")
+    ax.legend(frameon=False)
+
+
+def _pruning(fig: Any, view: dict[str, Any]) -> None:
+    """Tokens each layer processed and pruned."""
+    p = view["pruning"]
+    ax = fig.add_subplot()
+    ax.bar(p["layers"], p["remaining"], color="#2b8cbe", label="tokens processed")
+    ax.bar(p["layers"], p["pruned"], bottom=p["remaining"], color="#fdae61", label="pruned")
+    ax.set(xlabel="layer", ylabel="tokens", title="Tokens per layer after pruning")
+    ax.legend(frameon=False)
 
 
 def _importance(fig: Any, view: dict[str, Any]) -> None:
