@@ -133,6 +133,26 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
 
     Raises :class:`~sparseety.errors.ConfigError` for a bad default policy or tracing setup.
     """
+    state = _server_state(config, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await anyio.to_thread.run_sync(state.close)
+
+    app = FastAPI(title="SparSEEty", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible sparse serving; generation is greedy.")
+    app.state.serve = state
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_trace_routes(app, state)
+    return app
+
+
+def _server_state(config: ServeConfig, engine: SparseEngine | None) -> ServerState:
+    """Check the default policy and the tracing setup, load the model unless given, build the engine loop."""
     config.generation_options()  # the default policy, before the model loads
     tracer = Tracer(config)  # before the model loads: a bad tracing setup fails fast
     if engine is None:
@@ -157,34 +177,29 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
         on_fail=lambda _, failure: metrics.request_failed.labels(failure.stage).inc())
     loop_ref.append(engine_loop)
     stored = stored_request_ids(config.trace_dir) if tracer.enabled and config.trace_dir is not None else None
-    state = ServerState(config, engine, engine_loop, tracer, metrics, int(time.time()), options,
-                        RequestIds(stored))
+    return ServerState(config, engine, engine_loop, tracer, metrics, int(time.time()), options, RequestIds(stored))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await anyio.to_thread.run_sync(state.close)
 
-    app = FastAPI(title="SparSEEty", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible sparse serving; generation is greedy.")
-    app.state.serve = state
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-    install_error_handlers(app)
-
-    def generation_key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        check_key(config.api_key, credentials)
-
-    def trace_key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        check_trace_access(config.api_key, tracer.enabled, credentials)
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """``GET /health`` and ``GET /metrics``: open, no key."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """Liveness, with the scheduler's load."""
-        return {"status": "ok", "model": config.model, "running": engine_loop.running, "waiting": engine_loop.waiting}
+        return {"status": "ok", "model": state.config.model, "running": state.loop.running,
+                "waiting": state.loop.waiting}
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions``, behind the API key."""
+    config = state.config
+
+    def generation_key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        check_key(config.api_key, credentials)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES, dependencies=[Depends(generation_key)])
     async def models() -> ModelList:
@@ -213,6 +228,14 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
         """Text completion of a raw prompt (greedy)."""
         return await _generate(state, request, body, x_request_id, x_sparseety_trace)
 
+
+def _add_trace_routes(app: FastAPI, state: ServerState) -> None:
+    """``GET /v1/traces`` and ``GET /v1/traces/{request_id}``: only with a key and a trace store."""
+    config, tracer = state.config, state.tracer
+
+    def trace_key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        check_trace_access(config.api_key, tracer.enabled, credentials)
+
     @app.get("/v1/traces", response_model=TraceList, responses=ERROR_RESPONSES, dependencies=[Depends(trace_key)])
     async def traces(limit: int = Query(20, ge=1, le=1000, description="Newest requests to list.")) -> JSONResponse:
         """Summaries of stored requests, newest first."""
@@ -229,34 +252,45 @@ def create_app(config: ServeConfig, engine: SparseEngine | None = None) -> FastA
     @app.get("/v1/traces/{request_id}", responses=ERROR_RESPONSES, dependencies=[Depends(trace_key)])
     async def trace(request_id: str) -> JSONResponse:
         """One stored request: its document and the names, dtypes and shapes of its arrays."""
-        from sparseety.store import load_trace
+        return await _stored_trace(state, request_id)
 
-        check_request_id(request_id)
-        from sparseety.store.notices import collecting, warning_headers
 
-        try:
-            stored, notes = await anyio.to_thread.run_sync(
-                lambda: collecting(lambda: load_trace(config.trace_dir, request_id, limits=config.sql_limits)))
-        except QueryLimitError as exc:
-            raise APIError(503, str(exc), param="request_id", code="trace_read_limit") from None
-        except RecordError as exc:
-            status = tracer.writer.status(request_id) if tracer.enabled else None
-            if status == "pending" or engine_loop.has(request_id):  # accepted, still generating or not committed
-                return JSONResponse({"request_id": request_id, "status": "pending"}, status_code=202,
-                                    headers={"Retry-After": "1"})
-            if status == "dropped":
-                why = tracer.writer.drop_reason(request_id) or "the trace writer's queue was full or a write failed"
-                return JSONResponse({"request_id": request_id, "status": "dropped", "reason": why, "error": {
-                    "message": f"this request's trace was dropped: {why} (counted in sparseety:trace_records_dropped)",
-                    "type": "invalid_request_error",
-                    "param": "request_id", "code": "trace_dropped"}}, status_code=410)
-            raise APIError(404, str(exc), param="request_id", code="trace_not_found") from None
-        arrays = {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in stored.arrays.items()}
-        return JSONResponse(_jsonable({"request_id": stored.request_id, "tier": stored.tier,
-                                       "document": stored.document, "arrays": arrays}),
-                            headers=warning_headers(notes))
+async def _stored_trace(state: ServerState, request_id: str) -> JSONResponse:
+    """``GET /v1/traces/{request_id}``: the stored request, or why it is not there (202, 410, 404, 503)."""
+    from sparseety.store import load_trace
 
-    return app
+    check_request_id(request_id)
+    from sparseety.store.notices import collecting, warning_headers
+
+    config = state.config
+    try:
+        stored, notes = await anyio.to_thread.run_sync(
+            lambda: collecting(lambda: load_trace(config.trace_dir, request_id, limits=config.sql_limits)))
+    except QueryLimitError as exc:
+        raise APIError(503, str(exc), param="request_id", code="trace_read_limit") from None
+    except RecordError as exc:
+        return _trace_not_stored(state, request_id, exc)
+    arrays = {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in stored.arrays.items()}
+    return JSONResponse(_jsonable({"request_id": stored.request_id, "tier": stored.tier,
+                                   "document": stored.document, "arrays": arrays}),
+                        headers=warning_headers(notes))
+
+
+def _trace_not_stored(state: ServerState, request_id: str, exc: RecordError) -> JSONResponse:
+    """202 while the request is still generating or being written, 410 when its trace was dropped; raises the
+    404 otherwise."""
+    tracer = state.tracer
+    status = tracer.writer.status(request_id) if tracer.enabled else None
+    if status == "pending" or state.loop.has(request_id):  # accepted, still generating or not committed
+        return JSONResponse({"request_id": request_id, "status": "pending"}, status_code=202,
+                            headers={"Retry-After": "1"})
+    if status == "dropped":
+        why = tracer.writer.drop_reason(request_id) or "the trace writer's queue was full or a write failed"
+        return JSONResponse({"request_id": request_id, "status": "dropped", "reason": why, "error": {
+            "message": f"this request's trace was dropped: {why} (counted in sparseety:trace_records_dropped)",
+            "type": "invalid_request_error",
+            "param": "request_id", "code": "trace_dropped"}}, status_code=410)
+    raise APIError(404, str(exc), param="request_id", code="trace_not_found") from None
 
 
 async def _generate(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,
