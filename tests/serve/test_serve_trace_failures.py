@@ -19,10 +19,15 @@ from sparseety.serve.tracing import Tracer
 KEY = "test-key"
 
 
-def test_an_unwritable_trace_dir_is_refused_before_the_server_starts():
+def test_an_unwritable_trace_dir_is_refused_before_the_server_starts(tmp_path: Path):
     with pytest.raises(InputError) as info:
         Tracer(ServeConfig(model=MODEL, trace_dir=Path("/proc/self/sparseety-traces")))
-    assert str(info.value).startswith("--trace-dir /proc/self/sparseety-traces cannot be created in /proc/self")
+    assert str(info.value).startswith("--trace-dir /proc/self/sparseety-traces is inside /proc, a pseudo file system")
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    with pytest.raises(InputError) as info:
+        Tracer(ServeConfig(model=MODEL, trace_dir=afile / "traces"))
+    assert f"cannot be created: {afile} is a file, not a directory" in str(info.value)
 
 
 def test_a_failed_trace_write_returns_the_answer_and_the_trace_says_dropped(engine, tmp_path: Path, caplog):
