@@ -67,7 +67,7 @@ def main() -> None:
             ctx = run.__enter__()
             logits = model(input_ids=encoded.input_ids, past_key_values=ctx.cache, use_cache=True,
                            logits_to_keep=1).logits
-            if ctx.reconstruction_pending:
+            if ctx.reconstruction.pending:
                 engine.reconstruct(ctx, encoded)
             live[label] = {"run": run, "ctx": ctx, "next": logits[:, -1:].argmax(-1), "steps": [],
                            "held_bytes": ctx.cache.nbytes()}

@@ -72,7 +72,7 @@ def test_hidden_states_reach_only_a_policy_that_reads_them(engine_for, files):
     for policy in (build_policy("tova", 18), kvzap_policies(files["llama"])[0]):
         with engine.open_run(EncodedInput(prompt_ids(30, seed=2)), policy, tier=0) as ctx:
             engine.model(input_ids=prompt_ids(30, seed=2), past_key_values=ctx.cache, use_cache=True)
-            seen.append((ctx.wants_hidden, len(ctx._hidden) + len(ctx.carry.hidden)))
+            seen.append((ctx.wants_hidden, len(ctx.forward.hidden) + len(ctx.carry.hidden)))
     assert seen == [(False, 0), (True, 0)]  # kvzap's were handed over and dropped, layer by layer
 
 

@@ -182,10 +182,10 @@ def test_cache_after_the_pass_holds_only_kept_context_slots(per_head, engine_for
     policy = build_policy("kvzip", budget, {"layerwise": "true", "per_head": str(per_head)})
     with engine.open_run(encoded, policy, tier=1) as ctx:
         engine.model(input_ids=encoded.input_ids, past_key_values=ctx.cache, use_cache=True)
-        assert ctx.reconstruction_pending and not len(ctx.evictions)
+        assert ctx.reconstruction.pending and not len(ctx.evictions)
         assert ctx.cache.layers[0].num_slots() == n  # eviction deferred to after the pass
         engine.reconstruct(ctx, encoded)
-        assert not ctx.reconstruction_pending
+        assert not ctx.reconstruction.pending
         per_slot = 2 * engine.head_dim * 4  # one KV head's key and value
         for layer in ctx.cache.layers:
             assert layer.seen == n and layer.get_seq_length() == n
@@ -256,7 +256,7 @@ def test_a_budget_covering_the_context_skips_the_pass_in_the_document_protocol(e
     encoded = EncodedInput(ids, compress_len=30)
     with engine.open_run(encoded, build_policy("kvzip", 30), tier=1) as ctx:
         engine.model(input_ids=ids[:, :30], past_key_values=ctx.cache, use_cache=True)
-        assert not ctx.reconstruction_pending
+        assert not ctx.reconstruction.pending
 
 
 @pytest.mark.parametrize("chunk", [7, 32])

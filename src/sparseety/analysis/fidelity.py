@@ -49,9 +49,9 @@ def teacher_forced_logprobs(engine: SparseEngine, encoded: EncodedInput, policy:
     with engine.open_run(encoded, policy, tier=1, seed=seed, prune=prune, attention_topk=attention_topk) as ctx:
         start = 0
         if encoded.compress_len is not None:
-            ctx.input_len = encoded.compress_len  # the context is the prompt of the first forward
+            ctx.settings.input_len = encoded.compress_len  # the context is the prompt of the first forward
             engine.model(input_ids=ids[:, : encoded.compress_len], past_key_values=ctx.cache, use_cache=True)
-            ctx.input_len = encoded.input_len
+            ctx.settings.input_len = encoded.input_len
             engine.reconstruct(ctx, encoded)  # kvzip's pass over the context, if its policy has one
             start = encoded.compress_len
         out = engine.model(input_ids=ids[:, start:], past_key_values=ctx.cache, use_cache=True, logits_to_keep=1)

@@ -210,13 +210,13 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
     layer = module.layer_idx
     if ctx.cache.layers[layer].regions is not None:
         return attend_split(ctx, module, query, scaling, kwargs)
-    if ctx.reconstruction is not None and ctx.cache.layers[layer].window is not None:
+    chunk = ctx.reconstruction.chunk
+    if chunk is not None and ctx.cache.layers[layer].window is not None:
         # kvzip's pass on a sliding layer: its window attention only (the layer keeps its newest slots, unscored)
         out = causal_attention(module, query, key, value, scaling, sliding_hidden(ctx.cache.layers[layer], query.shape[2]),
                                **kwargs)
         ctx.observe(layer, key, LayerSignals())
         return out
-    chunk = ctx.reconstruction
     if chunk is not None and chunk.local:  # attend="chunk": the rows see their scoring set only
         key, value, chunk = scoring_keys(key, value, chunk)
     if chunk is not None:  # kvzip's reconstruction pass: output and slot scores in one go (CPU)
@@ -242,7 +242,7 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
         seen.last_row = seen.window[:, :, -1]
     elif plan.last_row and seen.last_row is None:
         seen.last_row = row_probs(query[:, :, q - 1:], key, scaling, None if hidden is None else hidden[:, :, q - 1:])[:, :, 0]
-    drafts = ctx.drafts_in_forward
+    drafts = ctx.forward.drafts
     prune_rows = min(q - drafts, ctx.prune_rows(layer))
     if prune_rows > 0:  # token pruning after this layer: reuse the rows computed above where they suffice
         if drafts == 0 and seen.window is not None and seen.window.shape[2] >= prune_rows:
@@ -255,7 +255,7 @@ def attend(ctx: RunContext, module: torch.nn.Module, query: torch.Tensor, key: t
                               rows_hidden)
         assert ctx.prune is not None
         ctx.prune.take_scores(probs)
-    if ctx.reconstruction is not None:  # kvzip's reconstruction pass elsewhere: score the region's slots from these queries
+    if chunk is not None:  # kvzip's reconstruction pass elsewhere: score the region's slots from these queries
         seen.reconstruction = reconstruction_scores(query, key, scaling, chunk)
     seen.values = value
     if plan.query_rows:  # only for policies that read query rows (a view, no copy)

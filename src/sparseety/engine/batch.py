@@ -183,7 +183,7 @@ class BatchEngine:
                 continue
             for chunk in chunks:  # a region just completed under kvzip: its reconstruction, a forward of its own
                 ctx = chunk.request.ctx
-                if ctx is not None and ctx.failure is None and ctx.reconstruction_pending:
+                if ctx is not None and ctx.failure is None and ctx.reconstruction.pending:
                     try:
                         self.engine.reconstruct(ctx, chunk.request.encoded)
                     except Exception as exc:

@@ -36,6 +36,7 @@ from sparseety.engine.prune import PruneRun, install_layer_hooks
 from sparseety.engine.reconstruct import run_reconstruction
 from sparseety.engine.result import RunResult
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from sparseety.engine.settings import RunSettings
 from sparseety.engine.window import layer_windows
 from sparseety.errors import ConfigError, InputError
 from sparseety.models.fingerprint import model_fingerprint
@@ -146,8 +147,8 @@ class SparseEngine:
 
     def reconstruct(self, ctx: RunContext, encoded: EncodedInput) -> None:
         """Run a reconstructing policy's pending pass over the region just prefilled (see :mod:`.reconstruct`)."""
-        if ctx.reconstruction_pending:
-            ids = encoded.input_ids[0, : ctx.reconstruction_region].tolist()
+        if ctx.reconstruction.pending:
+            ids = encoded.input_ids[0, : ctx.reconstruction.region].tolist()
             run_reconstruction(self.model, ctx, ids, self.tokenizer)
 
     def _reconstructing_generate(self, ctx: RunContext, encoded: EncodedInput, max_new_tokens: int,
@@ -249,19 +250,16 @@ class SparseEngine:
         head = self.head_weights(options.importance_weights) if options.importance == "learned" else None
         feature = options.importance if head is None else check_mode(head.feature, "importance weights feature")
         prune = options.prune_schedule(self.num_layers)
-        return RunContext(
-            policy=policy, cache=SparseCache(self.num_layers, self.windows), num_layers=self.num_layers,
-            kv_heads=self.kv_heads, tier=options.tier, input_len=encoded.input_len,
-            compress_once=encoded.compress_len is not None, compress_len=encoded.compress_len, seed=options.seed,
-            on_prefill_layer=on_prefill_layer,
-            probes=ModuleProbes() if options.tier >= 2 else None,
-            prune=PruneRun(prune, self.num_layers) if prune is not None else None,
-            layers=parse_layers(options.layers, self.num_layers), auto_k=options.top_k,
-            attention_topk=options.attention_topk,
-            importance_mode=feature,
+        settings = RunSettings(
+            options=options, policy=policy, num_layers=self.num_layers, kv_heads=self.kv_heads,
+            input_len=encoded.input_len, compress_len=encoded.compress_len,
+            layers=parse_layers(options.layers, self.num_layers), importance_mode=feature,
             out_grams=self.output_grams() if feature == "output" and options.tier >= 2 else None,
-            head_weights=None if head is None else head.weights,
+            head_weights=None if head is None else head.weights, on_prefill_layer=on_prefill_layer,
         )
+        return RunContext(settings, SparseCache(self.num_layers, self.windows),
+                          probes=ModuleProbes() if options.tier >= 2 else None,
+                          prune=PruneRun(prune, self.num_layers) if prune is not None else None)
 
     def head_weights(self, weights: Any = None) -> HeadWeights:
         """``--importance learned``'s weights (a file or :class:`HeadWeights`; None: the shipped ones),
@@ -344,15 +342,16 @@ class SparseEngine:
     def _provenance(self, ctx: RunContext, policy: Policy, tier: int, top_k: int,
                     recorded: list[int] | None) -> dict[str, Any]:
         """The trace's provenance; a ``value``/``output`` run names its importance mode in ``extraction``."""
-        made = provenance(self.model, self.model_name, policy, tier, top_k, layers=ctx.layers.text(),
+        settings = ctx.settings
+        made = provenance(self.model, self.model_name, policy, tier, top_k, layers=settings.layers.text(),
                           recorded_layers=recorded, prune=ctx.prune.schedule.params() if ctx.prune is not None else None)
-        if ctx.head_weights is not None:
-            made["extraction"] = {**made["extraction"], "importance": "learned", "importance_feature": ctx.importance_mode,
-                                  "signal": f"learned head weights x {ctx.importance_mode}-weighted attention "
-                                            "received while generating"}
-        elif ctx.importance_mode != "attention":
-            made["extraction"] = {**made["extraction"], "importance": ctx.importance_mode,
-                                  "signal": f"{ctx.importance_mode}-weighted attention received while generating"}
+        mode = settings.importance_mode
+        if settings.head_weights is not None:
+            made["extraction"] = {**made["extraction"], "importance": "learned", "importance_feature": mode,
+                                  "signal": f"learned head weights x {mode}-weighted attention received while generating"}
+        elif mode != "attention":
+            made["extraction"] = {**made["extraction"], "importance": mode,
+                                  "signal": f"{mode}-weighted attention received while generating"}
         return made
 
     def build_result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
@@ -366,8 +365,8 @@ class SparseEngine:
         arrays: dict[str, np.ndarray] = {}
         kept: dict[str, dict[str, list[int]]] | None = None
         records = []
-        drafted = ctx.draft_outcomes(prompt_ids + output_ids)
-        if tier >= 1 and ctx.drafts:
+        drafted = ctx.tokens.outcomes(prompt_ids + output_ids)
+        if tier >= 1 and ctx.tokens.drafts:
             arrays.update(drafted)
         if tier >= 1:
             logs = (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips),
@@ -378,26 +377,27 @@ class SparseEngine:
             if ctx.prune is not None:
                 arrays.update(ctx.prune.to_arrays(token_ids))
             if ctx.thresholded:  # a threshold policy: how much of each layer it kept (``[layers]``)
-                arrays["kept_fraction"] = ctx.kept_fraction()
-        recorded = list(ctx.recorded_layers or ()) if tier >= 2 else None
+                arrays["kept_fraction"] = _kept_fraction(cache)
+        recorded = list(ctx.importance.recorded_layers or ()) if tier >= 2 else None
         if tier >= 2:
             kept = {
                 str(layer): {str(h): row.tolist() for h, row in enumerate(heads)}
                 for layer, heads in enumerate(cache.kept_positions()) if heads is not None
             }
-            if ctx.importance is not None:
-                importance = ctx.importance[:, :seen]
+            sums = ctx.importance
+            if sums.total is not None:
+                importance = sums.total[:, :seen]
                 arrays["importance"] = importance.numpy().astype(np.float16)
                 special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
                 sinks: list[int] = []
-                if ctx.attention_importance is not None:  # value/output: sinks marked, left out of the rankings
-                    sinks = find_sinks(ctx.attention_importance[:, :seen], importance)
+                if sums.attention is not None:  # value/output: sinks marked, left out of the rankings
+                    sinks = find_sinks(sums.attention[:, :seen], importance)
                     arrays["sink.position"] = np.asarray(sinks, dtype=np.int64)
                 records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special,
                                            layers=recorded, min_score=min_score, sinks=sinks)
             arrays.update(_probe_arrays(ctx))
-        if tier >= 3 and ctx.step_vectors:
-            arrays["step_importance"] = _step_importance(ctx.step_vectors, self.num_layers)
+        if tier >= 3 and ctx.importance.step_vectors:
+            arrays["step_importance"] = _step_importance(ctx.importance.step_vectors, self.num_layers)
         return RunResult(
             request_id=request_id or uuid.uuid4().hex,
             model=self.model_name,
@@ -414,17 +414,17 @@ class SparseEngine:
             kept_positions_final=kept,
             kv_cache_bytes_peak=ctx.peak_bytes,
             kv_cache_bytes_dense=2 * seen * self.num_layers * self.kv_heads * self.head_dim * element,
-            draft_tokens=ctx.draft_tokens,
+            draft_tokens=ctx.tokens.draft_tokens,
             draft_rejected=int(drafted["drafted.rejected"].sum()),
-            prefill_s=ctx.prefill_s,
-            decode_s=ctx.decode_s,
+            prefill_s=ctx.timings.prefill_s,
+            decode_s=ctx.timings.decode_s,
             important_tokens=records,
             token_texts=self.tokenizer.batch_decode([[int(i)] for i in token_ids]) if tier >= 2 else [],
             provenance=self._provenance(ctx, policy, tier, top_k, recorded),
             arrays=arrays,
             pruned_tokens=(ctx.prune.pruned_positions() if ctx.prune is not None else 0) if tier >= 1 else None,
             prune=ctx.prune.schedule.params() if ctx.prune is not None else None,
-            layer_selection=ctx.layers.text(),
+            layer_selection=ctx.settings.layers.text(),
             extraction_layers=recorded,
         )
 
@@ -443,6 +443,11 @@ def _probe_arrays(ctx: RunContext) -> dict[str, np.ndarray]:
         arrays["activation.maxabs"] = np.stack([realign(k, v) for k, v in maxabs.items()]).astype(np.float16)
         arrays["activation.zero_frac"] = np.stack([realign(k, v) for k, v in zero_frac.items()]).astype(np.float16)
     return arrays
+
+
+def _kept_fraction(cache: SparseCache) -> np.ndarray:
+    """``[layers]`` float32: slots held per KV head over tokens seen, now."""
+    return np.asarray([layer.num_slots() / max(1, layer.seen) for layer in cache.layers], dtype=np.float32)
 
 
 def _step_importance(vectors: list[torch.Tensor], num_layers: int) -> np.ndarray:

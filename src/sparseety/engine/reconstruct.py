@@ -2,9 +2,9 @@
 
 Where it runs: right after the forward that completes the region (the prompt, or under the
 long-document protocol the context), before anything else is fed to that sequence. The run context
-deferred that forward's eviction (``RunContext.reconstruction_pending``); :func:`run_reconstruction`
+deferred that forward's eviction (``RunContext.reconstruction.pending``); :func:`run_reconstruction`
 then feeds each reconstruction chunk (a repeat prompt plus context tokens) as a forward of its own
-over the sequence's cache, with the context in its ``reconstructing`` mode: every layer computes its
+over the sequence's cache, inside :func:`reconstructing`: every layer computes its
 output as usual, scores the region's slots from the chunk's queries (:func:`reconstruction_scores`)
 and drops the chunk's KV at once, so ``seen``, positions and bytes are exactly the region's again.
 Then each layer evicts to its budget by those scores. No token comes out of it.
@@ -15,13 +15,15 @@ forward (packed or not) whose chunk completed the region; teacher-forced fidelit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from sparseety.engine.context import RunContext, activate
-from sparseety.policies.base import ReconstructionChunk
+from sparseety.policies.base import Observation, ReconstructionChunk
 
 #: Query rows scored at a time (the ``[heads, rows, keys]`` block stays small).
 SCORE_BLOCK = 256
@@ -146,15 +148,48 @@ def run_reconstruction(model: torch.nn.Module, ctx: RunContext, context_ids: lis
 
     ``context_ids`` are the region's token ids (positions ``0 .. region - 1``).
     """
-    if not ctx.reconstruction_pending:
+    state = ctx.reconstruction
+    if not state.pending:
         return
-    if len(context_ids) != ctx.reconstruction_region:
-        raise RuntimeError(f"reconstruction of {ctx.reconstruction_region} positions given {len(context_ids)} ids")
-    chunks = ctx.policy.reconstruction_chunks(context_ids, tokenizer)
+    if len(context_ids) != state.region:
+        raise RuntimeError(f"reconstruction of {state.region} positions given {len(context_ids)} ids")
+    chunks = ctx.settings.policy.reconstruction_chunks(context_ids, tokenizer)
     device = next(model.parameters()).device
     with activate(ctx), torch.inference_mode():
         for chunk in chunks:
             ids = torch.tensor([chunk.ids], dtype=torch.long, device=device)
-            with ctx.reconstructing(chunk):
+            with reconstructing(ctx, chunk):
                 model(input_ids=ids, past_key_values=ctx.cache, use_cache=True, logits_to_keep=1)
-        ctx.finish_reconstruction()
+        finish_reconstruction(ctx)
+
+
+@contextlib.contextmanager
+def reconstructing(ctx: RunContext, chunk: ReconstructionChunk) -> Iterator[None]:
+    """Inside the block, ``ctx``'s forwards are the reconstruction ``chunk``: each layer scores the region's
+    slots from its queries, then drops the chunk's KV; probes and pruning see nothing of it."""
+    ctx.reconstruction.open(ctx.cache)
+    held = ctx.probes, ctx.prune
+    ctx.reconstruction.chunk, ctx.probes, ctx.prune = chunk, None, None
+    try:
+        yield
+    finally:
+        ctx.reconstruction.chunk = None
+        ctx.probes, ctx.prune = held
+
+
+def finish_reconstruction(ctx: RunContext) -> None:
+    """Score every layer of ``ctx`` by its reconstruction attention, let the policy share the budget among the
+    layers that compress (:meth:`Policy.allocate`) and evict to it (step 0 events)."""
+    settings, taken = ctx.settings, ctx.reconstruction.scores
+    scored: dict[int, torch.Tensor] = {}
+    for layer, cache_layer in enumerate(ctx.cache.layers):
+        positions = cache_layer.positions
+        assert positions is not None
+        default = positions.float() if cache_layer.window is not None else torch.zeros(positions.shape)
+        scores = taken.pop(layer, default.to(positions.device))  # sliding: the newest first
+        obs = Observation(layer=layer, num_layers=settings.num_layers, step=0, prefill=True, positions=positions,
+                          keys=cache_layer.keys, attention=scores, state=None, seed=settings.seed)
+        scored[layer], cache_layer.state = settings.policy.score(obs)
+    ctx.share_out(scored, 0)
+    ctx.reconstruction.pending = False
+    ctx.peak_bytes = max(ctx.peak_bytes, ctx.cache.nbytes())
