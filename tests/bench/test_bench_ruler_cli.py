@@ -67,7 +67,7 @@ def _registered(name: str) -> bool:
 @pytest.mark.parametrize(("args", "message"), [
     (["--tasks", "niah_single,qa"], "--tasks: unknown task 'qa'; valid tasks: niah_single, niah_multikey, "
                                     "niah_multivalue, vt, cwe"),
-    (["--tasks", "vt,vt"], "--tasks: each task once"),
+    (["--tasks", "vt,vt"], "--tasks: vt is listed twice in 'vt,vt'; give each value once"),
     (["--tasks", ""], "--tasks needs at least one value"),
     (["--lengths", "100"], "--lengths: 100 is out of range (200 to 131072 tokens)"),
     (["--lengths", "1k"], "--lengths: '1k' is not a valid int"),
