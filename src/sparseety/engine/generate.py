@@ -13,32 +13,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from sparseety.engine.attention import ATTENTION_NAME, attach_hidden_hooks
 from sparseety.engine.batch import BatchEngine, _eos_ids, generate_batch
 from sparseety.engine.cache import SparseCache
+from sparseety.engine.checks import check_request, check_speculative, check_topk
 from sparseety.engine.context import RunContext, activate, active_context
-from sparseety.engine.importance import important_tokens
 from sparseety.extract.head_weights import HeadWeights, resolve_head_weights
-from sparseety.extract.scoring import check_mode, find_sinks, output_grams
+from sparseety.extract.scoring import check_mode, output_grams
 from sparseety.engine.inputs import EncodedInput, encode_prompt
 from sparseety.engine.layers import parse_layers
 from sparseety.engine.packed import SplitProbes, active_packed, isolated
 from sparseety.engine.probe import ModuleProbes, attach_probe_hooks
-from sparseety.engine.provenance import provenance
 from sparseety.engine.prune import PruneRun, install_layer_hooks
 from sparseety.engine.reconstruct import run_reconstruction
 from sparseety.engine.result import RunResult
+from sparseety.engine.result_build import build_result
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from sparseety.engine.settings import RunSettings
 from sparseety.engine.window import layer_windows
-from sparseety.errors import ConfigError, InputError
+from sparseety.errors import InputError
 from sparseety.models.fingerprint import model_fingerprint
 from sparseety.options import GenerationOptions, options_from
 from sparseety.policies.base import ModelInfo, Policy
@@ -118,7 +116,7 @@ class SparseEngine:
             policy = options.policy_for(encoded.compress_len or encoded.input_len)
         speculative, max_new_tokens = options.speculative, options.max_new_tokens
         if speculative is not None:
-            self._check_speculative(speculative, encoded, policy)
+            check_speculative(speculative, encoded, policy, self.num_layers)
         self.check_request(encoded, policy, options)
         input_ids = encoded.input_ids
         with self.open_run(encoded, policy, options, on_prefill_layer=on_prefill_layer) as ctx:
@@ -205,27 +203,9 @@ class SparseEngine:
 
     # -- pieces shared by generate and the batched engine ------------------------------------------
     def check_request(self, encoded: EncodedInput, policy: Policy, options: GenerationOptions) -> None:
-        """Raise :class:`InputError` (or :class:`ConfigError`) for a request this model cannot run.
-
-        Everything that can be checked before a request joins a batch is checked here, the policy's
-        binding to this model included (a ``learned`` policy without its predictor file, or with one
-        trained for another model), so a request that cannot run is refused alone, at once.
-        """
-        policy.bind(self.model_info)
-        parse_layers(options.layers, self.num_layers)
-        prune = options.prune_schedule(self.num_layers)
-        if prune is not None:
-            prune.check_layers(self.num_layers)
-            prune.check_prompt(encoded.compress_len or encoded.input_len)
-        self._check_topk(policy, options.attention_topk)
-        if policy.reconstructs and prune is not None:
-            raise ConfigError(f"policy {policy.name!r} cannot be combined with token pruning: its reconstruction pass "
-                              "scores every slot of the region it compresses")
-        if self.max_positions and encoded.input_len + options.max_new_tokens > self.max_positions:
-            raise InputError(
-                f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({options.max_new_tokens}) exceeds "
-                f"the model's context of {self.max_positions} tokens"
-            )
+        """Raise :class:`InputError` (or :class:`ConfigError`) for a request this model cannot run
+        (see :func:`~sparseety.engine.checks.check_request`)."""
+        check_request(self.model_info, self.max_positions, encoded, policy, options)
 
     def reserved_kv_bytes(self, encoded: EncodedInput, policy: Policy, max_new_tokens: int) -> int:
         """Worst-case KV bytes of one request: per layer, the slots it may hold once the prompt is in.
@@ -304,160 +284,16 @@ class SparseEngine:
         prune = options.prune_schedule(self.num_layers)
         if prune is not None:
             prune.check_layers(self.num_layers)
-        self._check_topk(policy, options.attention_topk)
+        check_topk(policy, options.attention_topk)
         torch.manual_seed(options.seed)
         ctx = self.new_context(encoded, policy, options, on_prefill_layer)
         with activate(ctx), torch.inference_mode():
             yield ctx
 
-    @staticmethod
-    def _check_topk(policy: Policy, attention_topk: int | None) -> None:
-        if attention_topk is None:  # a positive number: GenerationOptions checked it
-            return
-        if policy.attends_topk:
-            raise InputError(f"policy {policy.name!r} already attends to its top {policy.budget} slots; "
-                             "attention_topk composes with the other policies")
-        if policy.splits_heads:
-            raise InputError(f"policy {policy.name!r} keeps a different number of slots in each KV head, which "
-                             "attention_topk cannot rank; set its option per_head=false to combine them")
-
-    def _check_speculative(self, speculative: int, encoded: EncodedInput, policy: Policy) -> None:
-        """Prompt lookup needs room for its drafts and an empty cache at its first step (``speculative`` is
-        positive: GenerationOptions checked it)."""
-        if policy.reconstructs:
-            raise ConfigError(f"policy {policy.name!r} cannot be combined with speculative decoding in generate: "
-                              "its reconstruction pass runs between the prefill and the first decode step, and "
-                              "transformers' prompt lookup needs an empty cache")
-        if policy.splits_heads:
-            raise ConfigError(f"policy {policy.name!r} keeps a different number of slots in each KV head, and such a "
-                              "layer cannot take rejected drafts back; set its option per_head=false to draft")
-        if encoded.compress_len is not None:
-            raise InputError("speculative decoding cannot be combined with the long-document protocol: "
-                             "transformers' prompt lookup re-feeds a pre-filled cache")
-        budgets = [policy.layer_budget(layer, self.num_layers) for layer in range(self.num_layers)]
-        smallest = min((b for b in budgets if b is not None), default=None)
-        if policy.evicts and smallest is not None and speculative >= smallest:
-            raise InputError(f"speculative ({speculative}) must be smaller than the smallest layer budget ({smallest})")
-
-    def _provenance(self, ctx: RunContext, policy: Policy, tier: int, top_k: int,
-                    recorded: list[int] | None) -> dict[str, Any]:
-        """The trace's provenance; a ``value``/``output`` run names its importance mode in ``extraction``."""
-        settings = ctx.settings
-        made = provenance(self.model, self.model_name, policy, tier, top_k, layers=settings.layers.text(),
-                          recorded_layers=recorded, prune=ctx.prune.schedule.params() if ctx.prune is not None else None)
-        mode = settings.importance_mode
-        if settings.head_weights is not None:
-            made["extraction"] = {**made["extraction"], "importance": "learned", "importance_feature": mode,
-                                  "signal": f"learned head weights x {mode}-weighted attention received while generating"}
-        elif mode != "attention":
-            made["extraction"] = {**made["extraction"], "importance": mode,
-                                  "signal": f"{mode}-weighted attention received while generating"}
-        return made
-
     def build_result(self, ctx: RunContext, encoded: EncodedInput, sequences: torch.Tensor, policy: Policy,
-                tier: int, top_k: int, request_id: str | None, min_score: float = 0.0) -> RunResult:
-        prompt_ids = encoded.input_ids[0].tolist()
-        output_ids = sequences[0, encoded.input_len:].tolist()
-        token_ids = np.asarray(prompt_ids + output_ids, dtype=np.int64)
-        cache = ctx.cache
-        seen = cache.layers[0].seen
-        element = next(self.model.parameters()).element_size()
-        arrays: dict[str, np.ndarray] = {}
-        kept: dict[str, dict[str, list[int]]] | None = None
-        records = []
-        drafted = ctx.tokens.outcomes(prompt_ids + output_ids)
-        if tier >= 1 and ctx.tokens.drafts:
-            arrays.update(drafted)
-        if tier >= 1:
-            logs = (("evicted", ctx.evictions), ("attended", ctx.attended), ("skipped", ctx.skips),
-                    ("window", ctx.window_edges))
-            for name, log in logs:
-                if len(log):
-                    arrays.update({f"{name}.{k}": v for k, v in log.to_arrays(token_ids).items()})
-            if ctx.prune is not None:
-                arrays.update(ctx.prune.to_arrays(token_ids))
-            if ctx.thresholded:  # a threshold policy: how much of each layer it kept (``[layers]``)
-                arrays["kept_fraction"] = _kept_fraction(cache)
-        recorded = list(ctx.importance.recorded_layers or ()) if tier >= 2 else None
-        if tier >= 2:
-            kept = {
-                str(layer): {str(h): row.tolist() for h, row in enumerate(heads)}
-                for layer, heads in enumerate(cache.kept_positions()) if heads is not None
-            }
-            sums = ctx.importance
-            if sums.total is not None:
-                importance = sums.total[:, :seen]
-                arrays["importance"] = importance.numpy().astype(np.float16)
-                special = tuple(getattr(self.tokenizer, "all_special_ids", ()) or ())
-                sinks: list[int] = []
-                if sums.attention is not None:  # value/output: sinks marked, left out of the rankings
-                    sinks = find_sinks(sums.attention[:, :seen], importance)
-                    arrays["sink.position"] = np.asarray(sinks, dtype=np.int64)
-                records = important_tokens(token_ids[:seen], importance, len(prompt_ids), top_k, self.decode, special,
-                                           layers=recorded, min_score=min_score, sinks=sinks)
-            arrays.update(_probe_arrays(ctx))
-        if tier >= 3 and ctx.importance.step_vectors:
-            arrays["step_importance"] = _step_importance(ctx.importance.step_vectors, self.num_layers)
-        return RunResult(
-            request_id=request_id or uuid.uuid4().hex,
-            model=self.model_name,
-            text=self.tokenizer.decode(output_ids, skip_special_tokens=True),
-            prompt_ids=prompt_ids,
-            output_ids=output_ids,
-            policy=policy.name,
-            params=policy.params(),
-            budget=policy.budget,
-            tier=tier,
-            evicted_positions=ctx.evictions.distinct_positions() if tier >= 1 else None,
-            eviction_events=len(ctx.evictions) if tier >= 1 else None,
-            skipped_events=ctx.skipped_count if tier >= 1 else None,
-            kept_positions_final=kept,
-            kv_cache_bytes_peak=ctx.peak_bytes,
-            kv_cache_bytes_dense=2 * seen * self.num_layers * self.kv_heads * self.head_dim * element,
-            draft_tokens=ctx.tokens.draft_tokens,
-            draft_rejected=int(drafted["drafted.rejected"].sum()),
-            prefill_s=ctx.timings.prefill_s,
-            decode_s=ctx.timings.decode_s,
-            important_tokens=records,
-            token_texts=self.tokenizer.batch_decode([[int(i)] for i in token_ids]) if tier >= 2 else [],
-            provenance=self._provenance(ctx, policy, tier, top_k, recorded),
-            arrays=arrays,
-            pruned_tokens=(ctx.prune.pruned_positions() if ctx.prune is not None else 0) if tier >= 1 else None,
-            prune=ctx.prune.schedule.params() if ctx.prune is not None else None,
-            layer_selection=ctx.settings.layers.text(),
-            extraction_layers=recorded,
-        )
-
-
-def _probe_arrays(ctx: RunContext) -> dict[str, np.ndarray]:
-    """The probes' arrays (float16): ``router.{layer}`` (each MoE layer's router probabilities per position) and
-    ``activation.{maxabs,zero_frac}`` (``[layers, positions]``), realigned to every position after pruning."""
-    probes, arrays = ctx.probes, {}
-    if probes is None:
-        return arrays
-    realign = ctx.prune.expand if ctx.prune is not None else (lambda _layer, values: values)
-    for layer, probs in probes.routers().items():
-        arrays[f"router.{layer}"] = realign(layer, probs).astype(np.float16)
-    maxabs, zero_frac = probes.activations()
-    if maxabs:
-        arrays["activation.maxabs"] = np.stack([realign(k, v) for k, v in maxabs.items()]).astype(np.float16)
-        arrays["activation.zero_frac"] = np.stack([realign(k, v) for k, v in zero_frac.items()]).astype(np.float16)
-    return arrays
-
-
-def _kept_fraction(cache: SparseCache) -> np.ndarray:
-    """``[layers]`` float32: slots held per KV head over tokens seen, now."""
-    return np.asarray([layer.num_slots() / max(1, layer.seen) for layer in cache.layers], dtype=np.float32)
-
-
-def _step_importance(vectors: list[torch.Tensor], num_layers: int) -> np.ndarray:
-    """Tier 3: the per-step ``[layers, seen]`` vectors as one ``[steps, layers, width]`` float16 array, NaN past
-    each step's ``seen``."""
-    width = max(v.shape[1] for v in vectors)
-    stacked = np.full((len(vectors), num_layers, width), np.nan, dtype=np.float16)
-    for i, v in enumerate(vectors):
-        stacked[i, :, : v.shape[1]] = v.numpy()
-    return stacked
+                     tier: int, top_k: int, request_id: str | None, min_score: float = 0.0) -> RunResult:
+        """The run's :class:`RunResult` (see :func:`~sparseety.engine.result_build.build_result`)."""
+        return build_result(self, ctx, encoded, sequences, policy, tier, top_k, request_id, min_score)
 
 
 class _AfterPrompt:
