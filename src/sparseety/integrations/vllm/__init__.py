@@ -8,7 +8,8 @@ Install into vLLM's environment with ``scripts/setup-vllm.sh`` (or ``pip install
         --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}'
 
 This package's import path needs only msgspec, pyzmq, prometheus-client, numpy and pyarrow (and duckdb,
-which ``sparseety.store`` imports); only :mod:`.stat_logger` and :mod:`.plugin`'s hooks import vLLM.
+which ``sparseety.store`` imports); only :mod:`.adapter` touches vLLM's objects (importing vLLM when it checks or
+reads them), and :mod:`.stat_logger` subclasses vLLM's base class through it. ``docs/vllm.md`` draws the data flow.
 """
 
 from __future__ import annotations

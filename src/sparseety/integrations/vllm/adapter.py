@@ -620,6 +620,11 @@ def named_modules(runner: Any) -> dict[str, Any]:
     return dict(runner.model.named_modules())
 
 
+def module_weight(modules: dict[str, Any], name: str) -> Any:
+    """The ``weight`` parameter of the model's module ``name`` (None when it has none)."""
+    return getattr(modules.get(name), "weight", None)
+
+
 def model_path(runner: Any) -> str:
     """The served model's directory (vLLM's model argument)."""
     return str(getattr(getattr(runner, "model_config", None), "model", "") or "")

@@ -268,7 +268,7 @@ def output_projection_grams(runner: Any, state: WorkerCapture) -> list[Any] | No
         prefix = name.rsplit(".", 1)[0] + ".o_proj"
         shape = state.shapes[name]
         width = shape.num_heads * shape.head_size
-        weight = getattr(modules.get(prefix), "weight", None)  # a torch module's parameter
+        weight = adapter.module_weight(modules, prefix)
         if weight is None or weight.dim() != 2 or weight.shape[1] != width:
             if checkpoint is None:
                 checkpoint = _checkpoint_tensors(adapter.model_path(runner), "o_proj.weight")
