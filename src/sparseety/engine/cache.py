@@ -24,39 +24,29 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from sparseety.engine.head_regions import HeadRegions
+from sparseety.engine.slot_buffers import GROW_SLOTS, IN_PLACE_EVICTIONS, SlotBuffers
 from sparseety.engine.window import hidden_by_window
 
-#: Slots added when a buffer grows (amortises reallocation for layers that never evict).
-GROW_SLOTS = 256
-#: Evictions of at most this many slots per head move survivors in place instead of reallocating.
-IN_PLACE_EVICTIONS = 32
 
-
-class SparseLayer(DynamicLayer):
+class SparseLayer(SlotBuffers):
     """One layer of a :class:`SparseCache`.
 
-    Keys, values, positions and the policy state live in preallocated buffers; :attr:`keys`,
-    :attr:`values`, :attr:`positions` and :attr:`state` are views of their live slots.
+    Keys, values, positions and the policy state live in preallocated buffers (:class:`SlotBuffers`,
+    which also evicts); :attr:`keys`, :attr:`values`, :attr:`positions` and :attr:`state` are views of
+    their live slots, or of the per-head regions once the layer is split.
     """
 
     def __init__(self, window: int | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self.window = window  #: sliding-window layers: the window in tokens (None: a global layer)
         self.seen = 0
-        self._k: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, d]``
-        self._v: torch.Tensor | None = None
-        self._pos: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` long
-        self._state: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` float, once a policy keeps one
-        self._slots = 0
         self._incoming: tuple[torch.Tensor, int] | None = None
         self.regions: HeadRegions | None = None  #: a split layer: its heads' own slots (then the buffers above are None)
         #: values ``[b, kv_heads, q, d]`` -> norms ``[b, kv_heads, q, g]`` (importance scoring), or None
         self.norm_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._norm: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, g]`` float32, with ``norm_fn``
-        self._offsets: tuple[int, torch.Tensor] | None = None  #: (capacity, ``[kv_heads]`` head * capacity)
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -94,48 +84,6 @@ class SparseLayer(DynamicLayer):
             assert self._pos is not None
             self._state = torch.zeros(self._pos.shape, dtype=value.dtype, device=value.device)
         self._state[..., : self._slots] = value
-
-    def _slot_buffers(self) -> tuple[torch.Tensor, ...]:
-        """Every buffer indexed ``[b, kv_heads, slot, ...]`` (keys, values, positions, and the state if held)."""
-        return tuple(x for x in (self._k, self._v, self._pos, self._state, self._norm) if x is not None)
-
-    def _views(self) -> None:
-        assert self._k is not None and self._v is not None
-        self.keys = self._k[:, :, : self._slots]
-        self.values = self._v[:, :, : self._slots]
-
-    def _reallocate(self, capacity: int, keep: torch.Tensor | None = None) -> None:
-        """Move the live slots (or the slots ``keep`` ``[b, kv_heads, k]``, in that order) into new buffers."""
-        assert self._k is not None and self._v is not None and self._pos is not None
-        b, h, _, d = self._k.shape
-        n = self._slots if keep is None else keep.shape[-1]
-        k_new, v_new = self._k.new_empty(b, h, capacity, d), self._v.new_empty(b, h, capacity, d)
-        pos_new = self._pos.new_zeros(b, h, capacity)
-        state_new = None if self._state is None else self._state.new_zeros(b, h, capacity)
-        norm_new = None if self._norm is None else self._norm.new_zeros(b, h, capacity, self._norm.shape[-1])
-        if keep is None:
-            k_new[:, :, :n], v_new[:, :, :n], pos_new[..., :n] = self.keys, self.values, self.positions
-            if state_new is not None:
-                state_new[..., :n] = self.state
-            if norm_new is not None:
-                norm_new[:, :, :n] = self.norms
-        else:
-            index = keep.unsqueeze(-1).expand(b, h, n, d)
-            torch.gather(self.keys, 2, index, out=k_new[:, :, :n])
-            torch.gather(self.values, 2, index, out=v_new[:, :, :n])
-            pos_new[..., :n] = self.positions.gather(-1, keep)
-            if state_new is not None:
-                state_new[..., :n] = self.state.gather(-1, keep)
-            if norm_new is not None:
-                norms = self.norms
-                norm_new[:, :, :n] = norms.gather(2, keep.unsqueeze(-1).expand(b, h, n, norms.shape[-1]))
-        self._k, self._v, self._pos, self._state, self._slots = k_new, v_new, pos_new, state_new, n
-        self._norm = norm_new
-        self._views()
-
-    def capacity(self) -> int:
-        """Slots the buffer can hold per KV head before it grows."""
-        return 0 if self._k is None else self._k.shape[2]
 
     def expect(self, positions: torch.Tensor, fed: int) -> None:
         """Announce that the next :meth:`update` carries only the rows at ``positions`` ``[q]`` (ascending)
@@ -218,72 +166,6 @@ class SparseLayer(DynamicLayer):
         if self.regions is not None:
             return self.regions.allocated_bytes()
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
-
-    # -- eviction ----------------------------------------------------------------------------------------
-    def compact(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep only the slots ``keep`` (``[b, kv_heads, k]``, ascending) in every head.
-
-        Returns
-        -------
-        evicted_slots : ``[b, kv_heads, n - k]`` slot indices (before compaction) that were dropped.
-        evicted_positions : ``[b, kv_heads, n - k]`` their original token positions, ascending per head.
-        """
-        positions = self.positions
-        assert positions is not None
-        b, h, n = positions.shape
-        k = keep.shape[-1]
-        kept = torch.zeros_like(positions, dtype=torch.bool).scatter_(-1, keep, True)
-        evicted_slots = (~kept).nonzero(as_tuple=True)[-1].reshape(b, h, n - k)
-        return self.evict(evicted_slots, keep)
-
-    def evict(self, slots: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drop the slots ``slots`` (``[b, kv_heads, e]``, distinct per head; ``keep`` may give the complement).
-
-        A small eviction moves the newest survivors into the freed slots (only those slots are
-        copied); a large one gathers the kept slots, in order, into buffers sized to them.
-
-        Returns ``(evicted_slots, evicted_positions)``, both ``[b, kv_heads, e]`` ordered by position.
-        """
-        positions = self.positions
-        assert positions is not None and self._k is not None and self._v is not None and self._pos is not None
-        b, h, n = positions.shape
-        e = slots.shape[-1]
-        evicted_positions = positions.gather(-1, slots)
-        if e > 1:
-            order = evicted_positions.argsort(dim=-1)
-            slots, evicted_positions = slots.gather(-1, order), evicted_positions.gather(-1, order)
-        if e == 0:
-            return slots, evicted_positions
-        k = n - e
-        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
-            capacity = self._k.shape[2]
-            holes = slots[0, :, 0] + self._head_offsets(h, capacity, slots.device)  # in ``[h * capacity]`` rows
-            for buffer in self._slot_buffers():  # one indexed copy per buffer (each is contiguous)
-                buffer[0].view(h * capacity, *buffer.shape[3:]).index_copy_(0, holes, buffer[0, :, n - 1])
-            self._slots = k
-            self._views()
-        elif e <= IN_PLACE_EVICTIONS and b == 1:
-            kept = torch.ones(h, n, dtype=torch.bool, device=slots.device).scatter_(-1, slots[0], False)
-            hole_h, hole_s = (~kept[:, :k]).nonzero(as_tuple=True)  # per head, as many holes below k as survivors above
-            move_h, move_s = kept[:, k:].nonzero(as_tuple=True)
-            move_s = move_s + k
-            for buffer in self._slot_buffers():
-                buffer[0, hole_h, hole_s] = buffer[0, move_h, move_s]
-            self._slots = k
-            self._views()
-        else:
-            if keep is None:
-                kept = torch.ones_like(positions, dtype=torch.bool).scatter_(-1, slots, False)
-                keep = kept.nonzero(as_tuple=True)[-1].reshape(b, h, k)
-            self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
-        return slots, evicted_positions
-
-    def _head_offsets(self, h: int, capacity: int, device: torch.device) -> torch.Tensor:
-        """``[h]`` long: ``head * capacity``, the first row of each head in a buffer's ``[h * capacity]`` rows (cached)."""
-        cached = self._offsets
-        if cached is None or cached[0] != capacity or cached[1].shape[0] != h or cached[1].device != device:
-            cached = self._offsets = (capacity, torch.arange(h, device=device) * capacity)
-        return cached[1]
 
     def split(self, keep: list[torch.Tensor], budgets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Let each KV head keep its own slots: head ``i`` keeps ``keep[i]`` ``[k_i]`` (slot indices), and
