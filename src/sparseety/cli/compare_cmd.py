@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.generation_flags import generation_flags
 from sparseety.cli.run_inputs import RunInputs
 from sparseety.cli.trace_output import TRACE_WRITE_FAILED, reason
 from sparseety.run_file import with_run_file
@@ -24,33 +25,14 @@ if TYPE_CHECKING:
 @app.command("compare")
 @user_errors
 @with_run_file
+@generation_flags
 def compare_cmd(
     ctx: typer.Context,
+    inputs: RunInputs,
+    model: str,
+    trace_dir: Path,
+    as_json: bool,
     config: Path | None = opt.CONFIG_OPT,
-    model: str = opt.MODEL_OPT,
-    prompt: str | None = opt.PROMPT_OPT,
-    prompt_file: Path | None = opt.PROMPT_FILE_OPT,
-    context_file: Path | None = opt.CONTEXT_FILE_OPT,
-    question: str | None = opt.QUESTION_OPT,
-    chat: bool | None = opt.CHAT_OPT,
-    policy: str = opt.POLICY_OPT,
-    budget: int | None = opt.BUDGET_OPT,
-    ratio: float | None = opt.RATIO_OPT,
-    policy_opt: list[str] = opt.POLICY_OPT_OPT,
-    max_new_tokens: int = opt.MAX_NEW_TOKENS_OPT,
-    tier: int = opt.TIER_OPT,
-    top_k: int = opt.TOP_K_OPT,
-    min_score: float = opt.MIN_SCORE_OPT,
-    importance: str = opt.IMPORTANCE_OPT,
-    importance_weights: Path | None = opt.IMPORTANCE_WEIGHTS_OPT,
-    speculative: int | None = opt.SPECULATIVE_OPT,
-    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
-    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
-    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
-    layers: str = opt.LAYERS_OPT,
-    trace_dir: Path = opt.TRACE_DIR_OPT,
-    seed: int = opt.SEED_OPT,
-    as_json: bool = opt.JSON_OPT,
     report: bool = typer.Option(True, "--report/--no-report", help="Write an HTML report of the sparse run."),
     threads: int | None = opt.THREADS_OPT,
 ) -> None:
@@ -63,12 +45,8 @@ def compare_cmd(
     from sparseety.models import load_model
     from sparseety.threads import use_threads
 
-    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
-                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score,
-                       importance=importance, importance_weights=importance_weights, max_new_tokens=max_new_tokens,
-                       seed=seed, speculative=speculative)
     inputs.check()
-    if tier >= 1:
+    if inputs.tier >= 1:
         from sparseety.store.dataset import check_trace_dir
 
         check_trace_dir(trace_dir)  # before the model loads
@@ -82,7 +60,7 @@ def compare_cmd(
 
     with steps(4, "compare", quiet=as_json) as progress:  # dense and sparse runs, then both teacher-forced
         result = compare(engine, encoded, kv_policy, inputs.generation_options(), on_phase=progress.advance)
-    report_path, trace_error = _store(result, trace_dir, report) if tier >= 1 else (None, None)
+    report_path, trace_error = _store(result, trace_dir, report) if inputs.tier >= 1 else (None, None)
     if as_json:
         document = result.to_json()
         document["report_path"] = str(report_path) if report_path else None

@@ -13,6 +13,7 @@ from rich.progress import Progress
 
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
+from sparseety.cli.generation_flags import generation_flags
 from sparseety.cli.output_opts import FILE, check_outputs, output_file
 from sparseety.cli.progress import Steps, steps
 from sparseety.cli.run_inputs import RunInputs, read_text
@@ -26,33 +27,14 @@ __all__ = ["read_text", "run"]
 @app.command("run")
 @user_errors
 @with_run_file
+@generation_flags
 def run(
     ctx: typer.Context,
+    inputs: RunInputs,
+    model: str,
+    trace_dir: Path,
+    as_json: bool,
     config: Path | None = opt.CONFIG_OPT,
-    model: str = opt.MODEL_OPT,
-    prompt: str | None = opt.PROMPT_OPT,
-    prompt_file: Path | None = opt.PROMPT_FILE_OPT,
-    context_file: Path | None = opt.CONTEXT_FILE_OPT,
-    question: str | None = opt.QUESTION_OPT,
-    chat: bool | None = opt.CHAT_OPT,
-    policy: str = opt.POLICY_OPT,
-    budget: int | None = opt.BUDGET_OPT,
-    ratio: float | None = opt.RATIO_OPT,
-    policy_opt: list[str] = opt.POLICY_OPT_OPT,
-    max_new_tokens: int = opt.MAX_NEW_TOKENS_OPT,
-    tier: int = opt.TIER_OPT,
-    top_k: int = opt.TOP_K_OPT,
-    min_score: float = opt.MIN_SCORE_OPT,
-    importance: str = opt.IMPORTANCE_OPT,
-    importance_weights: Path | None = opt.IMPORTANCE_WEIGHTS_OPT,
-    speculative: int | None = opt.SPECULATIVE_OPT,
-    prune_schedule: str | None = opt.PRUNE_SCHEDULE_OPT,
-    prune_opt: list[str] = opt.PRUNE_OPT_OPT,
-    attention_topk: int | None = opt.ATTENTION_TOPK_OPT,
-    layers: str = opt.LAYERS_OPT,
-    trace_dir: Path = opt.TRACE_DIR_OPT,
-    seed: int = opt.SEED_OPT,
-    as_json: bool = opt.JSON_OPT,
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the HTML report next to the trace."),
     redact: bool = typer.Option(False, "--redact", help="Replace emails, phones, IPs, cards and API keys in stored text."),
     ids_only: bool = typer.Option(False, "--ids-only", help="Store token ids and no text at all."),
@@ -79,18 +61,14 @@ def run(
     from sparseety.store import trace_tier
     from sparseety.store.dataset import check_trace_dir
 
-    inputs = RunInputs(prompt, prompt_file, context_file, question, chat, policy, budget, ratio, policy_opt,
-                       tier, top_k, prune_schedule, prune_opt, layers, attention_topk, min_score,
-                       importance=importance, importance_weights=importance_weights, max_new_tokens=max_new_tokens,
-                       seed=seed, speculative=speculative)
     check_outputs("--jsonl", None if jsonl is None else Path(jsonl), FILE)  # before the model loads
     if batch_file is not None:
         from sparseety.cli.batch_run import run_batch_file
 
         inputs.check(need_source=False)
-        if any(x is not None for x in (prompt, prompt_file, context_file)):
+        if any(x is not None for x in (inputs.prompt, inputs.prompt_file, inputs.context_file)):
             raise InputError("--batch-file holds the prompts: leave out --prompt, --prompt-file and --context-file")
-        if speculative is not None:
+        if inputs.speculative is not None:
             raise InputError("--speculative cannot be combined with --batch-file: speculative decoding runs one "
                              "sequence at a time")
         use_threads(threads, quiet=as_json)
@@ -101,7 +79,7 @@ def run(
         return
     inputs.check()
     request_id = uuid.uuid4().hex  # decided first: the sample and the forced tier depend on it
-    tier = trace_tier(request_id, sample_rate, tier=tier, force=force_trace)
+    tier = trace_tier(request_id, sample_rate, tier=inputs.tier, force=force_trace)
     if tier >= 1:
         check_trace_dir(trace_dir)  # before the model loads: a trace that cannot be written fails at once
     sources = inputs.read_sources()
@@ -114,8 +92,8 @@ def run(
 
     stderr = Console(stderr=True)
     with Progress(console=stderr, transient=True, disable=as_json or encoded.input_len < 512) as progress, \
-            steps(-(-max_new_tokens // DECODE_STEP), f"decode (steps of {DECODE_STEP} tokens)",
-                  quiet=as_json or max_new_tokens < 2 * DECODE_STEP) as decode:
+            steps(-(-inputs.max_new_tokens // DECODE_STEP), f"decode (steps of {DECODE_STEP} tokens)",
+                  quiet=as_json or inputs.max_new_tokens < 2 * DECODE_STEP) as decode:
         task = progress.add_task(f"prefill {encoded.input_len} tokens", total=engine.num_layers)
         result = engine.generate(
             encoded, kv_policy, inputs.generation_options(tier=tier), request_id=request_id,
