@@ -1,5 +1,5 @@
 """Every door builds the same GenerationOptions with no flags: the command line (``run``, ``compare``, a run
-file, a batch line), the server (a request under a default configuration) and the Python API
+file, a batch line), the server (a request under a default configuration, and ``serve``'s flags) and the Python API
 (``SparseEngine.generate`` keywords, ``sparseety.load(...).generate``). Issue 38: the Python door and
 ``ServeConfig()`` used to default to ``importance="attention"``, the command line to ``value``."""
 
@@ -84,6 +84,23 @@ def test_server_door():
                 max_tokens=DEFAULTS.max_new_tokens, decision=TraceDecision(tier=config.tier, reason="sampled"),
                 seed=0, temperature=None, top_p=None, arrival=0.0, arrival_ns=0)
     assert request_options(config.generation_options(), plan) == DEFAULTS
+
+
+def test_serve_command_line_door(monkeypatch):
+    """``sparseety serve`` with no flags configures the server exactly as ``ServeConfig()`` does."""
+    import sparseety.cli.serve_cmd as serve_cmd
+
+    seen: list[dict] = []
+
+    def config_naming_flags(**fields):
+        seen.append(fields)
+        raise Seen
+
+    monkeypatch.setattr(serve_cmd, "_config_naming_flags", config_naming_flags)
+    result = CliRunner().invoke(app, ["serve"])
+    assert isinstance(result.exception, Seen), result.output
+    assert ServeConfig(**seen[0]) == ServeConfig()
+    assert ServeConfig(**seen[0]).generation_options() == ServeConfig().generation_options()
 
 
 def test_python_doors(monkeypatch):

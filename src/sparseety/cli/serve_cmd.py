@@ -11,7 +11,7 @@ import typer
 from sparseety.cli import run_inputs as opt
 from sparseety.cli.app import app, user_errors
 from sparseety.cli.output_opts import output_dir
-from sparseety.models.registry import DEFAULT_MODEL
+from sparseety.options import default_of
 from sparseety.run_file import with_run_file
 
 if TYPE_CHECKING:
@@ -23,20 +23,20 @@ if TYPE_CHECKING:
 @with_run_file
 def serve(
     ctx: typer.Context,
-    config: Path | None = typer.Option(None, "--config", help="Run configuration YAML (see examples/run.yaml); flags override it."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", help="Built-in name, local directory or Hugging Face id."),
+    config: Path | None = opt.CONFIG_OPT,
+    model: str = opt.MODEL_OPT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
-    policy: str = typer.Option("dense", "--policy", help="Default KV policy (a request may override it)."),
-    budget: int | None = typer.Option(None, "--budget", help="Tokens kept per layer and KV head."),
+    policy: str = typer.Option(default_of("policy"), "--policy", help="Default KV policy (a request may override it)."),
+    budget: int | None = opt.BUDGET_OPT,
     ratio: float | None = typer.Option(None, "--ratio", help="Fraction of each prompt removed."),
-    policy_opt: list[str] = typer.Option([], "--policy-opt", help="Policy option key=value (repeatable)."),
+    policy_opt: list[str] = opt.POLICY_OPT_OPT,
     trace_dir: Path | None = typer.Option(None, "--trace-dir", help="Trace store; without it nothing is traced.",
                                           parser=output_dir, metavar="DIR"),
     sample_rate: float | None = typer.Option(None, "--sample-rate", help="Share of requests traced (hash of the "
                                              "id); default 0.05. Needs --trace-dir."),
-    tier: int = typer.Option(2, "--tier", help="Tier of sampled requests (forced ones get 3, the rest 1)."),
-    top_k: int = typer.Option(16, "--top-k", help="Important tokens per layer in traces."),
+    tier: int = typer.Option(default_of("tier"), "--tier", help="Tier of sampled requests (forced ones get 3, the rest 1)."),
+    top_k: int = typer.Option(default_of("top_k"), "--top-k", help="Important tokens per layer in traces."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="SPARSEETY_API_KEY",
                                        help="Bearer key for /v1 (also turns the trace endpoints on)."),
     max_concurrency: int = typer.Option(8, "--max-concurrency", help="Sequences decoded together (one "
