@@ -35,10 +35,6 @@ class SlotBuffers(DynamicLayer):
         self._slots = 0
         self._offsets: tuple[int, torch.Tensor] | None = None  #: (capacity, ``[kv_heads]`` head * capacity)
 
-    def live_positions(self) -> torch.Tensor | None:
-        """``[b, kv_heads, slots]`` the original token position of every live slot in the buffers, or None."""
-        return None if self._pos is None else self._pos[..., : self._slots]
-
     def _slot_buffers(self) -> tuple[torch.Tensor, ...]:
         """Every buffer indexed ``[b, kv_heads, slot, ...]`` (keys, values, positions, and the state if held)."""
         return tuple(x for x in (self._k, self._v, self._pos, self._state, self._norm) if x is not None)
@@ -92,8 +88,8 @@ class SlotBuffers(DynamicLayer):
         evicted_slots : ``[b, kv_heads, n - k]`` slot indices (before compaction) that were dropped.
         evicted_positions : ``[b, kv_heads, n - k]`` their original token positions, ascending per head.
         """
-        positions = self.live_positions()
-        assert positions is not None
+        assert self._pos is not None
+        positions = self._pos[..., : self._slots]
         b, h, n = positions.shape
         k = keep.shape[-1]
         kept = torch.zeros_like(positions, dtype=torch.bool).scatter_(-1, keep, True)
@@ -108,8 +104,8 @@ class SlotBuffers(DynamicLayer):
 
         Returns ``(evicted_slots, evicted_positions)``, both ``[b, kv_heads, e]`` ordered by position.
         """
-        positions = self.live_positions()
-        assert positions is not None and self._k is not None and self._v is not None and self._pos is not None
+        assert self._k is not None and self._v is not None and self._pos is not None
+        positions = self._pos[..., : self._slots]
         b, h, n = positions.shape
         e = slots.shape[-1]
         evicted_positions = positions.gather(-1, slots)
