@@ -188,3 +188,16 @@ def test_select_evict_by_head_leaves_each_head_its_budget_ties_to_the_lower_posi
     free = positions.masked_fill(torch.arange(7) == 6, -1)  # a free slot (position -1) is never chosen nor counted
     assert sorted(select_evict_by_head(scores, free, heads, torch.tensor([2, 1, 0])).tolist()) == [0, 3, 4]
     assert sorted(select_evict_by_head(scores, free, heads, torch.tensor([2, 2, 0])).tolist()) == [0, 3]
+
+
+@pytest.mark.parametrize("slot", [1, 4])
+def test_a_decode_eviction_in_a_single_kv_head_moves_the_last_slot(slot):
+    """One KV head (Gemma 3 270M): the decode step's one-slot eviction copies the last slot into the hole, also
+    when the hole is the last slot itself (a contiguous row copied onto itself)."""
+    layer, keys = filled(5, kvh=1)
+    slots, positions = layer.evict(torch.tensor([[[slot]]]))
+    assert slots.tolist() == [[[slot]]] and positions.tolist() == [[[slot]]]
+    assert layer.num_slots() == 4 and slot not in layer.positions[0, 0].tolist()
+    for i, position in enumerate(layer.positions[0, 0].tolist()):
+        assert torch.equal(layer.keys[0, 0, i], keys[0, 0, position])
+        assert torch.equal(layer.values[0, 0, i], -keys[0, 0, position])

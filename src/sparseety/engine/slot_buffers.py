@@ -119,7 +119,8 @@ class SlotBuffers(DynamicLayer):
             capacity = self._k.shape[2]
             holes = slots[0, :, 0] + self._head_offsets(h, capacity, slots.device)  # in ``[h * capacity]`` rows
             for buffer in self._slot_buffers():  # one indexed copy per buffer (each is contiguous)
-                buffer[0].view(h * capacity, *buffer.shape[3:]).index_copy_(0, holes, buffer[0, :, n - 1])
+                last = buffer[0, :, n - 1]  # one KV head: a contiguous row of the buffer, which index_copy_ refuses
+                buffer[0].view(h * capacity, *buffer.shape[3:]).index_copy_(0, holes, last.clone() if h == 1 else last)
             self._slots = k
             self._views()
         elif e <= IN_PLACE_EVICTIONS and b == 1:
