@@ -147,7 +147,7 @@ def test_sigkill_mid_load_keeps_every_committed_trace(tmp_path):
     (["--budget", "4", "--ratio", "0.5"], "either budget or ratio"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "h2o"], "needs --budget"),
-    (["--sample-rate", "2", "--trace-dir", "unused"], "sample_rate"),
+    (["--sample-rate", "2", "--trace-dir", "unused"], "--sample-rate must be less than or equal to 1"),
     (["--sample-rate", "0.5"], "give --trace-dir too"),
     (["--policy-opt", "sinks"], "key=value"),
 ])
