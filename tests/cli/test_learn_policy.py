@@ -24,11 +24,8 @@ PROMPT = " ".join(f"t{4 + (i * 7) % 150}" for i in range(36))
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _tiny_models_on_one_thread(one_torch_thread):
+    """Every test here runs tiny models on one torch thread (``one_torch_thread``, tests/conftest.py)."""
 
 
 def invoke(*args: str):

@@ -16,14 +16,8 @@ from sparseety.engine import SparseEngine
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models are dominated by per-op overhead: with two threads on a loaded 2-core machine every
-    64x64 matmul spins for milliseconds (measured 1.2 s against 0.03 s per 12-token run). Restored after
-    each test so other test folders (the real default model) keep their threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _tiny_models_on_one_thread(one_torch_thread):
+    """Every test here runs tiny models on one torch thread (``one_torch_thread``, tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -7,22 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from tiny_models import build_model, build_tokenizer
 
 from sparseety.engine import SparseEngine
-
-
-@pytest.fixture
-def one_torch_thread():
-    """Tiny models run fastest on one thread on this shared machine; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -6,15 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models are dominated by per-op overhead; restored after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _tiny_models_on_one_thread(one_torch_thread):
+    """Every test here runs tiny models on one torch thread (``one_torch_thread``, tests/conftest.py)."""

