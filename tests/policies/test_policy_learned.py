@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from tiny_models import build_model, build_tokenizer, kept_after_step, prompt_ids  # noqa: E402
+from tiny_training import train_tiny_learned_policy  # noqa: E402
 
 from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
 from sparseety.errors import ConfigError  # noqa: E402
@@ -22,8 +23,6 @@ from sparseety.policies import Observation, build_policy  # noqa: E402
 from sparseety.policies.base import ModelInfo  # noqa: E402
 from sparseety.policies.parts.learned_features import feature_names, slot_features  # noqa: E402
 from sparseety.policies.parts.learned_model import Predictor, read_predictor  # noqa: E402
-from sparseety.store import write_trace  # noqa: E402
-from sparseety.training.learned_policy import TrainConfig, learn, read_examples  # noqa: E402
 
 EPS = 1e-3
 
@@ -160,17 +159,7 @@ def test_layer_mode_shares_one_score_per_position(tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Tier-3 dense traces of tiny llama (long-document protocol), a predictor trained on them, and the engine."""
-    tmp = tmp_path_factory.mktemp("learned")
-    torch.set_num_threads(1)
-    engine = SparseEngine(build_model("llama"), build_tokenizer(), model_name="tiny-llama")
-    for seed in range(4):
-        result = engine.generate(EncodedInput(prompt_ids(40, seed=seed), compress_len=32), build_policy("dense"),
-                                 max_new_tokens=6, tier=3)
-        write_trace(result, tmp / "traces")
-    examples = read_examples(tmp / "traces")
-    result = learn(engine, examples, TrainConfig(epochs=2, max_examples=2000), trace_dir=str(tmp / "traces"),
-                   text_source="random token ids")
-    return engine, result, result.predictor.save(tmp / "policy.safetensors")
+    return train_tiny_learned_policy(tmp_path_factory.mktemp("learned"))
 
 
 def test_trace_to_predictor_to_policy_holds_the_budget(trained):

@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_model, build_tokenizer, prompt_ids
+from tiny_models import prompt_ids
+from tiny_training import train_tiny_learned_policy
 
-from sparseety.engine import EncodedInput, SparseEngine
+from sparseety.engine import EncodedInput
 from sparseety.errors import InputError
 from sparseety.policies import build_policy
 from sparseety.policies.parts.learned_model import read_predictor
 from sparseety.store import write_trace
-from sparseety.training.learned_policy import TrainConfig, heavy_hitters, kept_by, learn, read_examples
+from sparseety.training.learned_policy import heavy_hitters, kept_by, read_examples
 
 
 def test_heavy_hitters_and_kept_sets_break_ties_by_position():
@@ -29,17 +30,7 @@ def test_heavy_hitters_and_kept_sets_break_ties_by_position():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Tier-3 dense traces of tiny llama (long-document protocol), a predictor trained on them, and the engine."""
-    tmp = tmp_path_factory.mktemp("learned")
-    torch.set_num_threads(1)
-    engine = SparseEngine(build_model("llama"), build_tokenizer(), model_name="tiny-llama")
-    for seed in range(4):
-        result = engine.generate(EncodedInput(prompt_ids(40, seed=seed), compress_len=32), build_policy("dense"),
-                                 max_new_tokens=6, tier=3)
-        write_trace(result, tmp / "traces")
-    examples = read_examples(tmp / "traces")
-    result = learn(engine, examples, TrainConfig(epochs=2, max_examples=2000), trace_dir=str(tmp / "traces"),
-                   text_source="random token ids")
-    return engine, result, result.predictor.save(tmp / "policy.safetensors")
+    return train_tiny_learned_policy(tmp_path_factory.mktemp("learned"))
 
 
 def test_no_tier3_traces_is_a_clear_error(tmp_path, trained):
