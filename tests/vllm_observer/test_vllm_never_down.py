@@ -125,11 +125,22 @@ def test_bad_settings_one_line_tracing_off(tmp_path):
     _run(SETTINGS, str(tmp_path))
 
 
-HOOKS = textwrap.dedent('''
-    import enum, importlib, logging, os, sys, types
+#: How both in-process scripts start: vLLM's version from argv, KV events off, no trace dir, and every warning
+#: of SparSEEty's vLLM logger captured in ``seen``.
+SCRIPT_START = textwrap.dedent('''
+    import logging, os, sys
     version = sys.argv[1]
     os.environ.update(SPARSEETY_KV_EVENTS="off")
     os.environ.pop("SPARSEETY_TRACE_DIR", None)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("sparseety.vllm").addHandler(handler)
+    logging.getLogger("sparseety.vllm").setLevel(logging.INFO)
+''')
+
+HOOKS = SCRIPT_START + textwrap.dedent('''
+    import enum, importlib, logging, os, sys, types
     import vllm.v1.engine as engine_pkg
     import vllm.v1.metrics.loggers as loggers
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -137,12 +148,6 @@ HOOKS = textwrap.dedent('''
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
-
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("sparseety.vllm").addHandler(handler)
-    logging.getLogger("sparseety.vllm").setLevel(logging.INFO)
 
     PATCHED = {"preemptions": (OutputProcessor, "_update_stats_from_output"),
                "finished-requests": (OutputProcessor, "_update_stats_from_finished"),
@@ -380,18 +385,10 @@ RENAME = textwrap.dedent(r'''
         return copy.__dict__[cls.__name__]
 ''')
 
-ATTRIBUTES = RENAME + textwrap.dedent('''
+ATTRIBUTES = SCRIPT_START + RENAME + textwrap.dedent('''
     import logging, os, sys, types
-    version = sys.argv[1]
-    os.environ.update(SPARSEETY_KV_EVENTS="off")
-    os.environ.pop("SPARSEETY_TRACE_DIR", None)
     from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
 
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("sparseety.vllm").addHandler(handler)
-    logging.getLogger("sparseety.vllm").setLevel(logging.INFO)
 
     def off(hook, missing):
         return f"sparseety: hook {hook} off: vLLM {version} has no {missing}; the other hooks stay on"
