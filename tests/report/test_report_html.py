@@ -153,3 +153,19 @@ def test_payload_leaves_summary_to_the_static_page(real_trace):
     assert "summary" not in data and "provenance" not in data
     html = render_view(view)
     assert f"<td>{real_trace.request_id}</td>" in html and "transformers_version" in html
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_written_report_gets_the_permissions_of_any_new_file(tmp_path, umask):
+    """A report is written atomically but not owner-only: the user's umask decides, as for any new file."""
+    import os
+
+    from sparseety.report.write import write_html
+
+    before = os.umask(umask)
+    try:
+        write_html(tmp_path / "r.html", "<!DOCTYPE html>")
+    finally:
+        os.umask(before)
+    assert (tmp_path / "r.html").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["r.html"]  # no temporary file left behind

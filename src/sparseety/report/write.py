@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +67,12 @@ def write_pngs(source: StoredTrace | str | Path, directory: str | Path, *, layer
 
 
 def write_html(target: Path, text: str) -> None:
-    """Write ``text`` to ``target`` atomically (temporary file in the same folder, then rename)."""
+    """Write ``text`` to ``target`` atomically (temporary file in the same folder, then rename), with the
+    permissions any new file of the user's gets (its umask), where ``mkstemp`` would make it owner-only."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the user's umask applies, as to any file
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.replace(tmp, target)
