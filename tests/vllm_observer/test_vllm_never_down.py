@@ -480,16 +480,21 @@ def test_each_attribute_renamed_turns_off_only_its_hooks():
 SITECUSTOMIZE = textwrap.dedent('''
     import importlib.abc, sys
 
+    def _real_spec(me, name, path, target):
+        """The module's spec as the finders after ``me`` would find it."""
+        for finder in sys.meta_path:
+            if finder is not me and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    return spec
+        return None
+
     class _Changed(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name != "vllm.v1.core.sched.scheduler":
                 return None
-            for finder in sys.meta_path:
-                if finder is not self and hasattr(finder, "find_spec"):
-                    spec = finder.find_spec(name, path, target)
-                    if spec is not None:
-                        break
-            else:
+            spec = _real_spec(self, name, path, target)
+            if spec is None:
                 return None
             exec_module = spec.loader.exec_module
 
@@ -509,12 +514,8 @@ SITECUSTOMIZE = textwrap.dedent('''
         def find_spec(self, name, path, target=None):
             if name != "vllm.v1.metrics.stats":
                 return None
-            for finder in sys.meta_path:
-                if finder is not self and hasattr(finder, "find_spec"):
-                    spec = finder.find_spec(name, path, target)
-                    if spec is not None:
-                        break
-            else:
+            spec = _real_spec(self, name, path, target)
+            if spec is None:
                 return None
 
             def exec_renamed(module):
