@@ -30,3 +30,8 @@ def client_channel(client: int, base: str | None = None) -> str:
 def importance_channel(channel: str) -> str:
     """The worker-to-observer importance endpoint next to the plugin's scheduler channel ``channel``."""
     return channel[: -len(".sock")] + "-importance.sock" if channel.endswith(".sock") else channel + "-importance"
+
+
+def routing_channel(channel: str) -> str:
+    """The worker-to-observer MoE routing endpoint next to the plugin's scheduler channel ``channel``."""
+    return channel[: -len(".sock")] + "-routing.sock" if channel.endswith(".sock") else channel + "-routing"

@@ -58,6 +58,7 @@ from sparseety.integrations.vllm.finisher import Finisher
 from sparseety.integrations.vllm.importance_consumer import ImportanceConsumer, client_channel_of
 from sparseety.integrations.vllm.kv_consumer import KVConsumer
 from sparseety.integrations.vllm.messages import FinishedRequest, FinishedStats
+from sparseety.integrations.vllm.routing_consumer import RoutingConsumer
 from sparseety.integrations.vllm.scheduler_consumer import RequestTable, SchedulerConsumer
 from sparseety.integrations.vllm.settings import Settings, parse_settings
 from sparseety.integrations.vllm.sink import TraceSink, engine_label
@@ -92,6 +93,8 @@ class Observer:
         self.importance = ImportanceConsumer(self._channel, self.requests, client)
         self.kv = KVConsumer(self.sink)
         self.finisher = Finisher(self.sink, self.requests, self.kv, self.importance, channel=bool(self._channel))
+        self.routing = RoutingConsumer(self._channel if client == 0 else None)  # the workers send to API server 0
+        self.finisher.routing = self.routing
         atexit.register(self.close)
 
     @property
@@ -185,6 +188,8 @@ class Observer:
         if now - request.finished_at < CAPTURE_WAIT_S:
             return False
         sampled = self.client > 0 and self.settings.tier >= 2 and self.sink.sampled(request.request_id)
+        if self.routing.pending(request.internal_id, request.finished_at, now):
+            return False
         return not self.importance.pending(request, now, sampled=sampled)
 
     def stats(self) -> dict[str, Any]:
@@ -211,6 +216,7 @@ class Observer:
         if self.scheduler is not None:
             self.scheduler.join(2)
         self.importance.close()
+        self.routing.close()
         try:
             for request in list(self._captures.values()):  # never joined: keep what the frontend knew
                 self._captures.pop(request.request_id, None)

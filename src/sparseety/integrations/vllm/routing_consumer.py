@@ -1,0 +1,226 @@
+"""In the API server: the worker's MoE routing, counted in the ``sparseety:`` metrics and put into each record.
+
+:mod:`.routing_capture` (in vLLM's worker) sends ``["moe", {layers, experts, top_k}]`` at its first routed
+forward and ``["route", result]`` for every request when vLLM removes it, to API server 0's routing channel
+(:func:`.channels.routing_channel`). :class:`RoutingConsumer` binds the PULL end in a thread of its own and:
+
+- counts each request's routed tokens as they come, ``sparseety:moe_expert_tokens_total{layer, expert}``
+  (tokens times top-k per layer over all experts), and sets ``sparseety:moe_load_imbalance{layer}`` (the
+  busiest expert's tokens over the mean of all experts, over every request so far);
+- keeps the results (bounded) until the finisher takes them (:meth:`attach`), which waits at most
+  :data:`.importance.WAIT_S` for a finished request's result once the worker has said the model is MoE
+  (:meth:`pending`).
+
+What a record gets (:meth:`attach`): ``extra_json.vllm.moe`` for every request (``layers``, ``experts``,
+``top_k``, ``expert_tokens`` ``[layers][experts]``, ``tokens`` routed per layer, ``load_imbalance`` per
+layer); for a sampled request also the arrays ``router.{layer}`` ``[positions, experts]`` float16 (router
+probabilities, as SparSEEty's own engine writes them), ``route.ids`` ``[moe layers, positions, top_k]``
+int64 and ``route.weights`` float32 (the experts vLLM ran and the weights it gave them, best first; -1 and
+NaN at positions the request did not compute, e.g. prompt positions read from the prefix cache), and the
+``experts`` of its per-layer important tokens (the top-k ``[expert_id, prob]`` of that layer's
+``router.{layer}`` row, as SparSEEty's route extraction lists them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from sparseety.integrations.vllm.channels import routing_channel
+from sparseety.integrations.vllm.metrics import P
+from sparseety.integrations.vllm.record import VllmRun
+
+log = logging.getLogger("sparseety.vllm")
+
+
+class RoutingMetrics:
+    """``sparseety:moe_expert_tokens_total{layer, expert}`` and ``sparseety:moe_load_imbalance{layer}``."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.expert_tokens = Counter(P + "moe_expert_tokens", "Tokens an MoE layer routed to an expert "
+                                     "(each token counts once for each of its top-k experts).",
+                                     ["layer", "expert"], registry=registry)
+        self.imbalance = Gauge(P + "moe_load_imbalance", "Tokens routed to an MoE layer's busiest expert over "
+                               "the mean of its experts, over every request so far (1: even).", ["layer"],
+                               registry=registry, multiprocess_mode="max")
+
+
+_METRICS: RoutingMetrics | None = None
+
+
+def routing_metrics() -> RoutingMetrics:
+    """The process's routing metric families (registered on first use)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = RoutingMetrics()
+    return _METRICS
+
+
+def imbalance(counts: np.ndarray) -> list[float]:
+    """Per layer of ``counts`` ``[layers, experts]``: max over mean (0 when the layer routed nothing)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    mean = counts.mean(axis=-1)
+    return [round(float(m / a), 4) if a > 0 else 0.0 for m, a in zip(counts.max(axis=-1), mean, strict=True)]
+
+
+class RoutingConsumer:
+    """The worker's routing results for this API server (only API server 0 receives them)."""
+
+    def __init__(self, channel: str | None, limit: int = 4096, metrics: RoutingMetrics | None = None) -> None:
+        self.endpoint = routing_channel(channel) if channel else None
+        self.limit = limit
+        self.metrics = metrics
+        self.moe: dict[str, Any] | None = None  #: the worker's ``{layers, experts, top_k}`` (None: not MoE yet)
+        self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.totals: np.ndarray | None = None  #: ``[layers, experts]`` over every request so far
+        self.dropped = 0
+        self.bad = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.endpoint:
+            self._thread = threading.Thread(target=self._run, name="sparseety-vllm-routing", daemon=True)
+            self._thread.start()
+
+    # -- receiving -------------------------------------------------------------------------------------------
+    def receive(self, kind: str, body: Any) -> None:
+        """One message from the worker (what the receiving thread calls)."""
+        if kind == "moe":
+            self.moe = dict(body)
+        elif kind == "route":
+            self.count(body)
+            with self._lock:
+                self.results[str(body["req_id"])] = body
+                while len(self.results) > self.limit:
+                    self.results.popitem(last=False)
+                    self.dropped += 1
+        else:
+            self.bad += 1
+
+    def count(self, body: dict[str, Any]) -> None:
+        """Count one request's routed tokens in the metrics (and the running totals the gauge reads)."""
+        layers = [int(x) for x in body["layers"]]
+        counts = np.frombuffer(body["counts"], dtype=np.int64).reshape(len(layers), int(body["experts"]))
+        if self.moe is None:
+            self.moe = {"layers": layers, "experts": int(body["experts"]), "top_k": int(body["top_k"])}
+        self.totals = counts.copy() if self.totals is None or self.totals.shape != counts.shape else self.totals + counts
+        m = self.metrics or routing_metrics()
+        for row, layer in enumerate(layers):
+            for expert in np.flatnonzero(counts[row]):
+                m.expert_tokens.labels(layer=str(layer), expert=str(int(expert))).inc(int(counts[row, expert]))
+        for layer, value in zip(layers, imbalance(self.totals), strict=True):
+            m.imbalance.labels(layer=str(layer)).set(value)
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError:
+            log.exception("sparseety: cannot bind the routing channel %s", self.endpoint)
+            return
+        decode = msgspec.msgpack.Decoder().decode
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                try:
+                    kind, body = decode(sock.recv())
+                    self.receive(str(kind), body)
+                except Exception:
+                    self.bad += 1
+        finally:
+            sock.close(0)
+            if self.endpoint.startswith("ipc://"):
+                try:
+                    os.unlink(self.endpoint[len("ipc://"):])
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    # -- the finisher's side ---------------------------------------------------------------------------------
+    def pending(self, internal_id: str, finished_at: float, now: float | None = None) -> bool:
+        """True while the model is MoE and ``internal_id``'s result may still come (at most ``WAIT_S``)."""
+        from sparseety.integrations.vllm.importance import WAIT_S
+
+        now = time.monotonic() if now is None else now
+        if self.moe is None or now - finished_at >= WAIT_S:
+            return False
+        with self._lock:
+            return internal_id not in self.results
+
+    def take(self, internal_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self.results.pop(internal_id, None)
+
+    def attach(self, run: VllmRun, internal_id: str) -> dict[str, Any] | None:
+        """Put the request's routing into ``run`` (arrays for a sampled request, the experts of its
+        per-layer important tokens); returns ``extra_json.vllm.moe`` (None: not an MoE model)."""
+        if self.moe is None:
+            return None
+        result = self.take(internal_id)
+        if result is None:
+            return {"status": "lost", **self.moe}
+        layers = [int(x) for x in result["layers"]]
+        experts, k = int(result["experts"]), int(result["top_k"])
+        counts = np.frombuffer(result["counts"], dtype=np.int64).reshape(len(layers), experts)
+        info: dict[str, Any] = {
+            "status": "counted", "layers": layers, "experts": experts, "top_k": k,
+            "expert_tokens": counts.tolist(), "tokens": [int(c) // max(k, 1) for c in counts.sum(axis=1)],
+            "load_imbalance": imbalance(counts),
+        }
+        if "probs" in result:
+            info.update(routed_arrays(run, result, layers, experts, k))
+        return info
+
+
+def routed_arrays(run: VllmRun, result: dict[str, Any], layers: list[int], experts: int, k: int) -> dict[str, Any]:
+    """A sampled request's ``router.{layer}``, ``route.ids`` and ``route.weights`` arrays and its important
+    tokens' ``experts``, over the positions it fed (prompt, then each output but the last); the ``moe``
+    info it adds."""
+    width = int(result["width"])
+    n_layers = len(layers)
+    probs = np.frombuffer(result["probs"], dtype=np.float32).reshape(n_layers, width, experts)
+    ids = np.frombuffer(result["ids"], dtype=np.int32).reshape(n_layers, width, k)
+    weights = np.frombuffer(result["weights"], dtype=np.float32).reshape(n_layers, width, k)
+    written = np.frombuffer(result["written"], dtype=np.uint8).astype(bool)
+    seen = len(run.prompt_ids) + max(len(run.output_ids), 1) - 1
+
+    def fit(a: np.ndarray, fill: float) -> np.ndarray:
+        out = np.full((a.shape[0], seen, a.shape[2]), fill, dtype=a.dtype)
+        n = min(seen, a.shape[1])
+        out[:, :n] = a[:, :n]
+        return out
+
+    probs, ids, weights = fit(probs, np.nan), fit(ids, -1), fit(weights, np.nan)
+    for slot, layer in enumerate(layers):
+        run.arrays[f"router.{layer}"] = probs[slot].astype(np.float16)
+    run.arrays["route.ids"] = ids.astype(np.int64)
+    run.arrays["route.weights"] = weights
+    slot_of = {layer: slot for slot, layer in enumerate(layers)}
+    for record in run.important_tokens:
+        slot = slot_of.get(record.layer) if record.layer is not None else None
+        if slot is None or not 0 <= record.position < seen:
+            continue
+        row = run.arrays[f"router.{layers[slot]}"][record.position].astype(np.float32)
+        if np.isnan(row).any():
+            continue
+        order = np.argsort(-row, kind="stable")[:k]
+        record.experts = [[int(e), float(row[e])] for e in order]
+    computed = int(written[:seen].sum())
+    run.tier = max(int(run.tier), int(result.get("tier", 2)))
+    return {"status": "recorded", "positions": computed, "uncomputed_positions": seen - computed}
