@@ -5,9 +5,10 @@ that turns one MoE layer's router logits into the top-k expert ids and weights v
 on CPU, the GPU routers alike), the model runner's ``_model_forward`` (which rows of the batch belong to
 which request) and ``_on_request_state_removed`` (the request is done: send what it routed).
 
-- Every request: one ``torch.bincount`` per MoE layer and forward, on the device that holds the ids, over
-  ``request row * experts + expert id``, accumulated into a ``[layers, requests + 1, experts]`` tensor; one
-  copy of that small tensor per forward adds it to each request's ``[layers, experts]`` counts.
+- Every request: each MoE layer's top-k ids of the forward are kept (a reference; a copy on an accelerator,
+  where a router might reuse its buffer); after the forward one ``torch.bincount`` on the device that holds
+  them, over ``(layer * (requests + 1) + request of the row) * experts + expert id``, gives a
+  ``[layers, requests + 1, experts]`` count, and one copy of it adds to each request's ``[layers, experts]``.
 - Sampled requests (the store's request-id hash at ``SPARSEETY_SAMPLE_RATE``, tier >= 2, or
   ``vllm_xargs`` ``{"sparseety_tier": 3}``; as the importance capture decides): their rows of the router
   logits and of the top-k weights and ids vLLM chose, copied on the device, per layer and forward; moved
@@ -110,8 +111,7 @@ class RoutingCapture:
         self.reqs: list[str] | None = None  #: this forward's requests, in row order (None: nothing to count)
         self.starts: np.ndarray | None = None
         self.sampled: list[tuple[RequestRouting, int, int, int]] = []  #: (capture, first row, end row, p0)
-        self.acc: Any = None  #: device ``[layers, (requests + 1) * experts]`` int64 counts of this forward
-        self.base: Any = None  #: device ``[rows, 1]``: each row's request index times ``experts``
+        self.acc: list[tuple[int, Any]] | None = None  #: this forward's ``(slot, ids [rows, k])`` per MoE layer
         self.channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
         self._sender: Any = None
         self._sender_tried = False
@@ -159,7 +159,7 @@ class RoutingCapture:
         """This forward's requests and rows; the sampled requests' rows and first positions."""
         if not self.found:
             self.discover(runner)
-        self.reqs, self.sampled, self.acc, self.base = None, [], None, None
+        self.reqs, self.sampled, self.acc = None, [], None
         if not self.layers:
             return
         reqs = adapter.batch_requests(runner)
@@ -180,27 +180,32 @@ class RoutingCapture:
         slot = self.slots.get(id(router))
         if slot is None or self.reqs is None:
             return
-        import torch
-
         if self.acc is None:
+            self.acc = []
             self.experts = int(logits.shape[-1])
-            self.top_k = int(ids.shape[-1])
-            rows, n = int(ids.shape[0]), len(self.reqs)
-            owner = np.full(rows, n, dtype=np.int64)  # rows past the batch's (padding) count for no request
-            for i in range(n):
-                owner[min(self.starts[i], rows): min(self.starts[i + 1], rows)] = i
-            self.base = torch.from_numpy(owner * self.experts).to(ids.device)[:, None]
-            self.acc = torch.zeros(len(self.layers), (n + 1) * self.experts, dtype=torch.int64, device=ids.device)
-        self.acc[slot] += torch.bincount((self.base + ids).flatten(), minlength=self.acc.shape[1])
+        self.acc.append((slot, ids if ids.device.type == "cpu" else ids.clone()))
         for capture, s, e, p0 in self.sampled:
             capture.add(slot, p0, logits[s:e], weights[s:e], ids[s:e])
 
     def after_forward(self) -> None:
-        """Add this forward's counts to each request's (one copy of ``[layers, requests, experts]``)."""
-        if self.acc is None or self.reqs is None:
+        """Add this forward's counts to each request's (one bincount, one copy of ``[layers, requests,
+        experts]``)."""
+        if not self.acc or self.reqs is None:
             return
-        n = len(self.reqs)
-        counts = self.acc.view(len(self.layers), n + 1, self.experts)[:, :n].cpu().numpy()
+        import torch
+
+        n, layers, experts = len(self.reqs), len(self.layers), self.experts
+        slots = [slot for slot, _ in self.acc]
+        ids = torch.stack([i for _, i in self.acc]).to(torch.int64)  # [layers seen, rows, k]
+        rows = int(ids.shape[1])
+        self.top_k = int(ids.shape[2])
+        owner = np.full(rows, n, dtype=np.int64)  # rows past the batch's (padding) count for no request
+        for i in range(n):
+            owner[min(self.starts[i], rows): min(self.starts[i + 1], rows)] = i
+        offset = (np.asarray(slots, dtype=np.int64)[:, None] * (n + 1) + owner[None, :]) * experts
+        flat = (torch.from_numpy(offset).to(ids.device)[:, :, None] + ids).flatten()
+        counts = torch.bincount(flat, minlength=layers * (n + 1) * experts).view(layers, n + 1, experts)
+        counts = counts[:, :n].cpu().numpy()
         for i, req_id in enumerate(self.reqs):
             held = self.totals.get(req_id)
             if held is None:
@@ -260,7 +265,7 @@ def install(loud: bool) -> None:
             try:
                 return forward(self, *args, **kwargs)
             finally:
-                if state.acc is not None:
+                if state.acc:
                     guarded(HOOK, state.after_forward)
                 state.reqs, state.acc = None, None
         return _model_forward
