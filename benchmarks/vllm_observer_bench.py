@@ -9,7 +9,11 @@ several concurrent clients and counts generated tokens per wall-clock second. Th
 the medians (target >= 0.97).
 
     .venv/bin/python benchmarks/vllm_observer_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
-        [--out benchmarks/results/vllm_observer/vllm_observer.json]
+        [--model smollm2-135m] [--out benchmarks/results/vllm_observer/vllm_observer.json]
+
+``--model`` takes a built-in name (``smollm2-moe``: the MoE model, whose every request's expert routing is
+then counted, and the 5% sampled requests' routing captured too; the result then goes to
+``vllm_observer_<model>.json`` unless ``--out`` says otherwise).
 
 With the worker's importance capture on (tier 2, ``SPARSEETY_IMPORTANCE`` default ``value``), the sampled
 requests also get their important tokens: the issue's "tier 1 for all plus importance for 5% sampled".
@@ -100,14 +104,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sample-rate", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_observer" / "vllm_observer.json")
+    parser.add_argument("--model", default="smollm2-135m", help="built-in model name (e.g. smollm2-moe)")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not VLLM.is_file():
         raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
     sys.path.insert(0, str(ROOT / "src"))
     from sparseety.models.registry import resolve_model_dir
 
-    model = resolve_model_dir("smollm2-135m")
+    model = resolve_model_dir(args.model)
+    suffix = "" if args.model == "smollm2-135m" else f"_{args.model}"
+    out = args.out or ROOT / "benchmarks" / "results" / "vllm_observer" / f"vllm_observer{suffix}.json"
     work = Path(tempfile.mkdtemp(prefix="vllm-observer-bench-"))
     off = Server(model, "off", {"VLLM_PLUGINS": ""}, work)
     on = Server(model, "observer", {"SPARSEETY_TRACE_DIR": str(work / "traces"), "SPARSEETY_TIER": "2",
@@ -130,15 +137,15 @@ def main() -> None:
                     print(f"round {round_index} {server.name:8s} {rate:7.1f} tokens/s", flush=True)
         med = {k: statistics.median(v) for k, v in rates.items()}
         ratio = med["observer"] / med["off"]
-        result = {"off_tokens_per_s": round(med["off"], 1), "observer_tokens_per_s": round(med["observer"], 1),
+        result = {"model": args.model, "off_tokens_per_s": round(med["off"], 1), "observer_tokens_per_s": round(med["observer"], 1),
                   "ratio": round(ratio, 3), "target": 0.97, "rounds": args.rounds,
                   "requests": args.requests, "concurrency": args.concurrency,
                   "max_tokens": args.max_tokens, "sample_rate": args.sample_rate,
                   "per_round": {k: [round(r, 1) for r in v] for k, v in rates.items()},
                   "load_average_end": list(os.getloadavg())}
         print(json.dumps(result))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
     finally:
         on.stop()
         off.stop()
