@@ -16,8 +16,7 @@ def test_the_internals_doc_is_the_adapters_declarations():
     assert match, "docs/vllm-internals.md lost its generated table markers"
     assert match.group(1) == adapter.internals_table(), (
         "docs/vllm-internals.md differs from the adapter's declarations; regenerate the table with "
-        '.venv/bin/python -c "from sparseety.integrations.vllm.adapter import internals_table; '
-        'print(internals_table())"')
+        ".venv/bin/python scripts/vllm_internals_table.py")
 
 
 def test_every_hook_has_needs_and_every_need_a_known_hook():

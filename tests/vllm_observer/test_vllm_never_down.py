@@ -143,17 +143,21 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
     import enum, importlib, logging, os, sys, types
     import vllm.v1.engine as engine_pkg
     import vllm.v1.metrics.loggers as loggers
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import FinishReason
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
     from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
 
-    PATCHED = {"preemptions": (OutputProcessor, "_update_stats_from_output"),
+    PATCHED = {"moe-routing": (FusedMoERouter, "select_experts"),
+               "preemptions": (OutputProcessor, "_update_stats_from_output"),
                "finished-requests": (OutputProcessor, "_update_stats_from_finished"),
                "prefill-chunks": (Scheduler, "_update_after_schedule"),
                "drafts": (Scheduler, "update_from_output"),
                "kv-blocks": (Scheduler, "_free_request_blocks"),
+               "window-frees": (KVCacheCoordinator, "remove_skipped_blocks"),
                "importance-rows": (GPUModelRunner, "_model_forward"),
                "importance-finish": (GPUModelRunner, "_on_request_state_removed")}
     ORIGINAL = {hook: vars(cls)[attr] for hook, (cls, attr) in PATCHED.items()}
@@ -165,8 +169,7 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
         seen.clear()
 
     def installed():
-        return {hook for hook, (cls, attr) in PATCHED.items()
-                if getattr(vars(cls).get(attr), hooks.MARK, None) == hook}
+        return {hook for hook, (cls, attr) in PATCHED.items() if adapter.installed(cls, attr, hook)}
 
     def off(hook, missing):
         return f"sparseety: hook {hook} off: vLLM {version} has no {missing}; the other hooks stay on"
@@ -176,8 +179,10 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
     SCHED = "Scheduler._update_after_schedule(scheduler_output)"
     DRAFTS = "Scheduler.update_from_output(scheduler_output, model_runner_output)"
     BLOCKS = "Scheduler._free_request_blocks(request)"
+    FREES = "KVCacheCoordinator.remove_skipped_blocks(request_id, processed_computed_tokens, ...)"
     ROWS = "GPUModelRunner._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, ...)"
     FINISH = "GPUModelRunner._on_request_state_removed(req_id, req_state)"
+    MOE = "FusedMoERouter.select_experts(hidden_states, router_logits, topk_indices_dtype, ...)"
 
     def changed_update(self, scheduler_output, runner_output):
         pass
@@ -198,9 +203,13 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
         ("drafts", lambda: setattr(Scheduler, "update_from_output", changed_update),
          off("drafts", DRAFTS + " (it has update_from_output(self, scheduler_output, runner_output))")),
         ("kv-blocks", lambda: delattr(Scheduler, "_free_request_blocks"), off("kv-blocks", BLOCKS)),
-        ("importance-rows", lambda: delattr(GPUModelRunner, "_model_forward"), off("importance-rows", ROWS)),
+        ("window-frees", lambda: delattr(KVCacheCoordinator, "remove_skipped_blocks"), off("window-frees", FREES)),
+        # the runner's methods also carry moe-routing's wrapper: both hooks off, one warning each
+        ("importance-rows", lambda: delattr(GPUModelRunner, "_model_forward"),
+         [off("importance-rows", ROWS), off("moe-routing", ROWS)]),
         ("importance-finish", lambda: delattr(GPUModelRunner, "_on_request_state_removed"),
-         off("importance-finish", FINISH)),
+         [off("importance-finish", FINISH), off("moe-routing", FINISH)]),
+        ("moe-routing", lambda: delattr(FusedMoERouter, "select_experts"), off("moe-routing", MOE)),
         ("finished-requests", lambda: setattr(OutputProcessor, "_update_stats_from_finished", changed),
          off("finished-requests", FIN + " (it has _update_stats_from_finished(self, req_state, reason))")),
         ("preemptions", lambda: setattr(engine_pkg, "EngineCoreEventType", NoPreempted),
@@ -213,9 +222,11 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
         plugin.register()
         plugin.register()  # loaded again (vLLM may): no second warning
         engine_pkg.EngineCoreEventType = saved_enum
-        assert seen == [warning], (hook, seen)
+        assert seen == (warning if isinstance(warning, list) else [warning]), (hook, seen)
         # the runner's two importance hooks go together: rows captured could never be sent, and vice versa
-        gone = {"importance-rows", "importance-finish"} if hook.startswith("importance-") else {hook}
+        gone = {"importance-rows", "importance-finish", "moe-routing"} if hook.startswith("importance-") else {hook}
+        if hook == "kv-blocks":  # the window frees' peak and record are sent where the request's blocks go
+            gone = {"kv-blocks", "window-frees"}
         assert installed() == set(PATCHED) - gone, (hook, installed())
         cls, attr = PATCHED[hook]
         assert getattr(vars(cls).get(attr), hooks.MARK, None) is None  # nothing of ours put in its place
@@ -251,7 +262,9 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
     sys.modules["vllm.v1.core.sched.scheduler"] = scheduler_module
     assert seen == [off(hook, "vllm.v1.core.sched.scheduler.Scheduler")
                     for hook in ("prefill-chunks", "drafts", "kv-blocks")], seen
-    assert installed() == {"preemptions", "finished-requests", "importance-rows", "importance-finish"}, installed()
+    assert installed() == {"preemptions", "finished-requests", "importance-rows", "importance-finish",
+                           "moe-routing"}, installed()
+    # (window-frees, on the coordinator, goes with kv-blocks: off with it, without a warning of its own)
 
     # the attention backend: whichever implementation class the model's layers use is wrapped, after the
     # same check; a changed forward leaves that class alone, with one warning

@@ -42,7 +42,7 @@ class VllmServer:
     """``vllm serve MODEL`` with prefix caching, KV events, ngram speculative decoding and the plugin on."""
 
     def __init__(self, model_dir: str, trace_dir: Path, log_path: Path, *, extra_env: dict[str, str] | None = None,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, speculative: bool = True):
         self.model = model_dir
         self.port = free_port()
         self.kv_port = free_port()
@@ -66,9 +66,10 @@ class VllmServer:
             "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
             "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                               "endpoint": f"tcp://127.0.0.1:{self.kv_port}"}),
-            "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
-                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
-            "--per-request-spec-decode-metrics", "detailed", "--enable-prompt-tokens-details",
+            *(["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
+               "--per-request-spec-decode-metrics", "detailed"] if speculative else []),
+            "--enable-prompt-tokens-details",
             *(extra_args or []),
         ]
         self.proc: subprocess.Popen | None = None

@@ -39,6 +39,7 @@ from sparseety.integrations.vllm.messages import (
     FinishedRequest,
     FinishedStats,
     ImplShape,
+    KVGroup,
     ServedConfig,
 )
 
@@ -75,9 +76,13 @@ RS = "vllm.v1.engine.output_processor:RequestState"
 DETOK = "vllm.v1.engine.detokenizer:IncrementalDetokenizer"
 SPEC = "vllm.v1.metrics.stats:RequestSpecDecodeMetrics"
 SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+CORE = "vllm.v1.core"
+COORD = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 SOUT = "vllm.v1.core.sched.output:SchedulerOutput"
 REQ = "vllm.v1.request:Request"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+MOE_ROUTER = "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter"
+MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner"
 STATS = "vllm.v1.metrics.stats"
 CONFIG = "vllm.config"
 IMPL = "attention backend impl (found at the first forward)"  #: the owner of :data:`IMPL_NEEDS`
@@ -113,6 +118,19 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("kv-blocks", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
     *_attrs("kv-blocks", "vllm.v1.kv_cache_interface:KVCacheSpec", "page_size_bytes"),
     *_attrs("kv-blocks", REQ, "request_id"),
+    *_attrs("kv-blocks", "vllm.v1.core.kv_cache_manager:KVCacheManager", "block_pool"),
+    *_attrs("kv-blocks", "vllm.v1.core.block_pool:BlockPool", "null_block"),
+    *_attrs("kv-blocks", "vllm.v1.core.kv_cache_utils:KVCacheBlock", "block_id"),
+    Need("window-frees", COORD, "remove_skipped_blocks", ("request_id", "processed_computed_tokens"), prefix=True),
+    *_attrs("window-frees", "vllm.v1.core.kv_cache_manager:KVCacheManager", "coordinator"),
+    *_attrs("window-frees", COORD, "single_type_managers", "kv_cache_config"),
+    *_attrs("window-frees", f"{CORE}.single_type_kv_cache_manager:SingleTypeKVCacheManager", "req_to_blocks",
+            "_null_block"),
+    *_attrs("window-frees", "vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups"),
+    *_attrs("window-frees", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
+    *_attrs("window-frees", "vllm.v1.kv_cache_interface:KVCacheSpec", "page_size_bytes"),
+    *_attrs("window-frees", "vllm.v1.kv_cache_interface:SlidingWindowSpec", "sliding_window"),
+    *_attrs("window-frees", "vllm.v1.kv_cache_interface:AttentionSpec", "num_kv_heads"),
     Need("preemptions", OP, "_update_stats_from_output",
          ("req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats")),
     *_attrs("preemptions", "vllm.v1.engine:EngineCoreEventType", "PREEMPTED"),
@@ -145,6 +163,18 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("importance-attention", "vllm.distributed.parallel_state", "get_pp_group",
             "get_tensor_model_parallel_world_size"),
     *_attrs("importance-attention", "vllm.distributed.parallel_state:GroupCoordinator", "world_size"),
+    Need("moe-routing", MOE_ROUTER, "select_experts", ("hidden_states", "router_logits", "topk_indices_dtype"),
+         prefix=True, concrete=True),
+    *_attrs("moe-routing", MOE_RUNNER, "router", "layer_name"),
+    Need("moe-routing", RUNNER, "_model_forward", ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+         prefix=True),
+    Need("moe-routing", RUNNER, "_on_request_state_removed", ("req_id", "req_state")),
+    *_attrs("moe-routing", RUNNER, "input_batch", "query_start_loc", "requests", "model"),
+    *_attrs("moe-routing", "vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids", "num_reqs"),
+    *_attrs("moe-routing", "vllm.v1.utils:CpuGpuBuffer", "np"),
+    *_attrs("moe-routing", "vllm.v1.worker.gpu_input_batch:CachedRequestState", "num_prompt_tokens",
+            "sampling_params"),
+    *_attrs("moe-routing", "vllm.sampling_params:SamplingParams", "extra_args"),
     Need("stat-logger", "vllm.v1.metrics.loggers:StatLoggerBase", "__init__", ("vllm_config", "engine_index"),
          prefix=True),
     Need("stat-logger", "vllm.v1.metrics.loggers:StatLoggerBase", "record", ("scheduler_stats", "iteration_stats"),
@@ -178,7 +208,11 @@ HOOKS: dict[str, tuple[str, str]] = {
     "prefill-chunks": ("engine core", "no `prefill_chunk` events"),
     "drafts": ("engine core", "draft rows from vLLM's per-request counts only: `position` and `token_id` -1, no "
                "rejected-draft marks in the report"),
-    "kv-blocks": ("engine core", "`kv_cache_bytes_peak` is None; the report says \"not reported\""),
+    "kv-blocks": ("engine core", "`kv_cache_bytes_peak` is None; the report says \"not reported\"; goes with "
+                  "`window-frees`"),
+    "window-frees": ("engine core", "no `window` rows, no window-freed blocks or bytes (`extra_json.vllm.window`, "
+                     "`sparseety:window_freed_*`), and `kv_cache_bytes_peak` is the blocks held when the request "
+                     "ended rather than its peak"),
     "preemptions": ("API server", "no `preempted_at_output_tokens` or `recomputed` events (vLLM's preemption "
                     "count still comes from the stat logger)"),
     "finished-requests": ("API server", "no per-request records or token metrics"),
@@ -187,6 +221,8 @@ HOOKS: dict[str, tuple[str, str]] = {
     "importance-finish": ("worker", "as `importance-rows`"),
     "importance-attention": ("worker", "as `importance-rows`; a backend class whose own needs are missing "
                              "records no importance for its layers"),
+    "moe-routing": ("worker", "no expert routing of MoE models: no `sparseety:moe_expert_tokens_total` or "
+                    "`sparseety:moe_load_imbalance`, no `extra_json.vllm.moe`, no `router.N` / `route.*` arrays"),
     "stat-logger": ("API server", "an inert stat logger: the output hooks write the records alone, without "
                     "vLLM's timings, the served model's name or KV events; no `preempted_recomputed_tokens`"),
     "finished-stats": ("API server", "the output hooks write the records alone, without vLLM's timings and "
@@ -321,15 +357,24 @@ def internals_table() -> str:
 
 
 # -- patching ----------------------------------------------------------------------------------------------
-def installed(owner: Any, attr: str) -> bool:
-    """Whether ``owner.attr`` is already one of SparSEEty's wrappers (vLLM may load a plugin twice)."""
-    return getattr(inspect.getattr_static(owner, attr, None), MARK, None) is not None
+def installed(owner: Any, attr: str, hook: str | None = None) -> bool:
+    """Whether ``owner.attr`` is already one of SparSEEty's wrappers (vLLM may load a plugin twice); with
+    ``hook``, whether that hook's wrapper is among the wrappers stacked there (two hooks may wrap one method)."""
+    fn = inspect.getattr_static(owner, attr, None)
+    if hook is None:
+        return getattr(fn, MARK, None) is not None
+    while fn is not None and getattr(fn, MARK, None) is not None:
+        if getattr(fn, MARK) == hook:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def patch(owner: Any, attr: str, hook: str, make: Callable[[Callable], Callable]) -> bool:
     """Put ``make(original)`` in place of ``owner.attr`` (a wrapper that passes vLLM's call through to
-    ``original`` unchanged), marked as ``hook``'s; False when it is there already."""
-    if installed(owner, attr):
+    ``original`` unchanged), marked as ``hook``'s; False when it is there already (another hook's wrapper
+    there is wrapped in turn)."""
+    if installed(owner, attr, hook):
         return False
     original = inspect.getattr_static(owner, attr)
     wrapper = make(original)
@@ -575,14 +620,50 @@ def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
 
 def blocks_of(scheduler: Any, request: Any) -> list[list]:
     """``[[request id, bytes, blocks]]``: the KV-cache blocks ``request`` holds now and their bytes (per KV
-    cache group: its blocks times its page size times its layers), from vLLM's own block tables."""
+    cache group: its blocks times its page size times its layers), from vLLM's own block tables. vLLM's
+    null block (a sliding-window group's freed entries) is not held."""
     config = scheduler.kv_cache_config
-    per_group = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    manager = scheduler.kv_cache_manager
+    per_group = manager.get_block_ids(request.request_id)
+    null = manager.block_pool.null_block.block_id
     nbytes = blocks = 0
     for group, ids in zip(config.kv_cache_groups, per_group, strict=False):
-        blocks += len(ids)
-        nbytes += len(ids) * int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+        held = sum(1 for i in ids if i != null)
+        blocks += held
+        nbytes += held * int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
     return [[request.request_id, nbytes, blocks]] if blocks else []
+
+
+def coordinator_of(scheduler: Any) -> Any:
+    """The scheduler's KV-cache coordinator (the object whose ``remove_skipped_blocks`` ``window-frees`` wraps)."""
+    return scheduler.kv_cache_manager.coordinator
+
+
+def kv_groups(coordinator: Any) -> list[KVGroup]:
+    """The coordinator's KV-cache groups, in the order of its managers (group ``g`` is manager ``g``)."""
+    from sparseety.integrations.vllm.attention_capture import layer_number
+
+    groups = []
+    for g, spec_group in enumerate(coordinator.kv_cache_config.kv_cache_groups):
+        spec = spec_group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        layers = tuple(n for n in (layer_number(name) for name in spec_group.layer_names) if n is not None)
+        groups.append(KVGroup(group=g, window=int(window) if window else None,
+                              block_bytes=int(spec.page_size_bytes) * len(spec_group.layer_names),
+                              kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0), layers=layers))
+    return groups
+
+
+def block_tables(coordinator: Any, request_id: str) -> list[tuple[list[Any], Any]] | None:
+    """Per KV-cache group, ``(the request's block table, vLLM's null block)``; None when no group holds the
+    request (a table is vLLM's own list, read, never changed)."""
+    tables = []
+    found = False
+    for manager in coordinator.single_type_managers:
+        table = manager.req_to_blocks.get(request_id)
+        found = found or table is not None
+        tables.append((table if table is not None else [], manager._null_block))
+    return tables if found else None
 
 
 # -- worker: the model runner and the attention backend ----------------------------------------------------
@@ -635,10 +716,8 @@ def impl_shape(impl: Any) -> ImplShape:
                      head_size=int(getattr(impl, "head_size", 0) or 0), scale=float(impl.scale))
 
 
-def _variant(module: Any, impl: Any) -> str | None:
-    """What makes a layer's attention other than the plain causal softmax (None: nothing)."""
-    if getattr(module, "sliding_window", None) is not None:
-        return "a sliding window"
+def _variant(impl: Any) -> str | None:
+    """What makes a layer's attention other than a causal softmax, windowed or not (None: nothing)."""
     if getattr(impl, "logits_soft_cap", None):
         return "a logit soft cap"
     if getattr(impl, "alibi_slopes", None) is not None:
@@ -657,12 +736,23 @@ def attention_layers() -> list[AttentionLayer]:
         impl = getattr(module, "impl", None)
         if impl is None or not all(hasattr(impl, a) for a in ("num_heads", "num_kv_heads", "scale")):
             continue  # not an attention layer (MoE, Mamba, ...)
-        layers.append(AttentionLayer(name=name, impl=impl, variant=_variant(module, impl)))
+        window = getattr(module, "sliding_window", None)
+        layers.append(AttentionLayer(name=name, impl=impl, variant=_variant(impl),
+                                     window=int(window) if window else None))
     return layers
 
 
 def layer_name(attn_layer: Any) -> str:
     return getattr(attn_layer, "layer_name", "")
+
+
+def moe_routers(runner: Any) -> list[tuple[str, Any]]:
+    """``(layer name, router)`` of each MoE layer of the runner's model (``MoERunner.layer_name`` and the
+    ``FusedMoERouter`` whose ``select_experts`` the ``moe-routing`` hook wraps); empty for a dense model."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return [(str(m.layer_name), m.router) for m in runner.model.modules()
+            if isinstance(m, MoERunner) and getattr(m, "router", None) is not None]
 
 
 def model_split() -> str | None:

@@ -203,9 +203,11 @@ class RequestCapture:
         """Hold keys ``[kv_heads, n, d]`` (and norms) another sampled request computed at ``start..``."""
         self.write(layer, start, keys.transpose(0, 1), None, norms=norms)
 
-    def score(self, layer: int, p0: int, queries: Any, rows: list[int], scale: float) -> None:
+    def score(self, layer: int, p0: int, queries: Any, rows: list[int], scale: float,
+              window: int | None = None) -> None:
         """Score query positions ``rows`` (ascending, within ``[p0, p0 + len(queries))``) of layer ``layer``:
-        ``queries`` ``[n, heads, d]`` are the forward's rows of this request."""
+        ``queries`` ``[n, heads, d]`` are the forward's rows of this request. A sliding layer of ``window``
+        ``w`` lets the row at ``q`` see keys ``q - w + 1 .. q`` only (vLLM's kernels and the own engine)."""
         from sparseety.extract.scoring import row_probs, score_row
 
         torch = self.torch
@@ -214,12 +216,21 @@ class RequestCapture:
         keys = self.keys[layer][:, :n].unsqueeze(0)  # [1, kvh, n, d]
         kvh = keys.shape[1]
         q_rows = queries[first - p0 : last - p0 + 1].transpose(0, 1).unsqueeze(0)  # [1, heads, r, d]
-        missing = ~self.written[:n]
-        hidden = None
-        if bool(missing.any()):
-            if layer == 0:
-                self.unscored.update(missing.nonzero().flatten().tolist())
-            hidden = missing.to(keys.device).view(1, 1, 1, n).expand(1, 1, q_rows.shape[2], n)
+        r = q_rows.shape[2]
+        hidden = (~self.written[:n]).view(1, n).expand(r, n)  # [r, n]
+        if window is not None:  # keys below each row's window edge: masked as vLLM's kernel masks them
+            edges = torch.arange(first, last + 1).view(r, 1) - window + 1
+            outside = torch.arange(n).view(1, n) < edges
+            hidden = hidden & ~outside
+            hidden_all = hidden | outside
+        else:
+            hidden_all = hidden
+        if bool(hidden.any()):  # keys a row should see that this request never wrote
+            self.unscored.update(hidden.any(dim=0).nonzero().flatten().tolist())
+        if bool(hidden_all.any()):
+            hidden = hidden_all.to(keys.device).view(1, 1, r, n)
+        else:
+            hidden = None
         probs = row_probs(q_rows, keys, scale, hidden)[0].transpose(0, 1)  # [r, heads, n]
         norms = None if self.attention is None else self.norms[layer][:, :n]
         scored = score_row(probs, norms, kvh).sum(dim=-2).div_(kvh).cpu()  # [r, n], as the run context adds it

@@ -24,6 +24,7 @@ from sparseety.integrations.vllm.messages import FinishedRequest
 from sparseety.integrations.vllm.record import EventGroup, VllmRun, draft_arrays, draft_identity_arrays
 from sparseety.integrations.vllm.scheduler_consumer import RequestTable
 from sparseety.integrations.vllm.sink import TraceSink, engine_label
+from sparseety.integrations.vllm.window_rows import freed, layer_windows, window_events
 
 log = logging.getLogger("sparseety.vllm")
 
@@ -64,6 +65,8 @@ def _token_arrays(c: FinishedRequest, blocks: list[Any], chunks: list[tuple[int,
 class Finisher:
     """Writes each finished request's record (in the observer's worker thread)."""
 
+    routing: Any = None  #: the :class:`.routing_consumer.RoutingConsumer` (MoE routing), set by the observer
+
     def __init__(self, sink: TraceSink, table: RequestTable, kv: KVConsumer, importance: ImportanceConsumer,
                  *, channel: bool) -> None:
         self.sink = sink
@@ -94,28 +97,44 @@ class Finisher:
     def finish(self, c: FinishedRequest) -> None:
         """Count ``c`` and, with a trace store, write its record."""
         preemptions, recomputed = self.count(c)
+        chunks, drafts, held, frees = self.table.take(c.internal_id)
+        groups = self.table.groups or []
+        window = freed(groups, frees, len(c.prompt_ids)) if frees or layer_windows(groups) else None
+        if window is not None:
+            engine = engine_label(c.engine)
+            self.sink.metrics.window_freed_blocks.labels(engine=engine).inc(window["freed_blocks"])
+            self.sink.metrics.window_freed_bytes.labels(engine=engine).inc(window["freed_bytes"])
         if self.sink.writer is None:
             return
         tier = min(self.sink.settings.tier, 2)  # tier 3 only for sampled requests, with their importance
         blocks = self.kv.prompt_blocks(c.prompt_ids, c.request_id, c.engine or 0)
-        chunks, drafts, held = self.table.take(c.internal_id)
         info = self._info(c, preemptions, recomputed, blocks, chunks, drafts, held)
+        info["window"] = window
+        sequence_ids = c.prompt_ids + c.output_ids
+        rows, skipped = window_events(groups, sequence_ids, len(c.prompt_ids), len(c.output_ids)) if window else ({}, None)
         sequence = c.prompt_ids + c.output_ids
         sink = self.sink
         run = VllmRun(
             request_id=c.request_id, model=sink.model, prompt_ids=c.prompt_ids, output_ids=c.output_ids,
             tier=tier, text=c.text, params=sink.params(),
-            kv_cache_bytes_peak=held[0] if held else None, kv_cache_bytes_dense=held[0] if held else None,
+            kv_cache_bytes_peak=held[0] if held else None,
+            kv_cache_bytes_dense=held[2] if held else None,
+            skipped_events=skipped,
             token_texts=self.texts(sequence) if tier >= 2 and sink.sampled(c.request_id) else [],
             draft_tokens=c.num_draft_tokens, draft_rejected=c.num_draft_tokens - c.num_accepted_tokens,
             prefill_s=c.timings.get("prefill_s", 0.0), decode_s=c.timings.get("decode_s", 0.0),
-            provenance=sink.provenance(), arrays=_token_arrays(c, blocks, chunks, drafts) if tier >= 2 else {},
+            provenance=sink.provenance(),
+            arrays={**_token_arrays(c, blocks, chunks, drafts), **rows} if tier >= 2 else {},
             vllm=info,
         )
         if tier >= 2:
             info["importance"] = self.importance.attach(
                 run, c, decode=not sink.settings.ids_only, tokenizer_path=sink.tokenizer_path or sink.config.get(
                     "model_path"))
+        if self.routing is not None:
+            moe = self.routing.attach(run, c.internal_id)
+            if moe is not None:
+                info["moe"] = moe
         sink.submit(run, {"vllm": info})
 
     def _info(self, c: FinishedRequest, preemptions: int, recomputed: int, blocks: list[Any],

@@ -66,7 +66,8 @@ class AttentionLayer:
 
     name: str  #: vLLM's layer name (``model.layers.3.self_attn.attn``)
     impl: Any  #: the backend implementation object (its class is the one the capture wraps)
-    variant: str | None  #: why the plain causal softmax does not fit it (sliding window, soft cap, ...), or None
+    variant: str | None  #: why the capture's softmax does not fit it (soft cap, ALiBi, sinks), or None
+    window: int | None = None  #: its sliding window in tokens (a query at ``p`` sees ``p - w + 1 .. p``), or None
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,14 @@ class ImplShape:
     num_kv_heads: int
     head_size: int
     scale: float
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV-cache groups (the engine core's ``KVCacheConfig``): layers sharing one block table."""
+
+    group: int  #: its index in ``kv_cache_groups``
+    window: int | None  #: the sliding window of its layers in tokens (None: full attention)
+    block_bytes: int  #: bytes one block of the group holds over all its layers (page size x layers)
+    kv_heads: int  #: KV heads per layer (0 when the spec has none)
+    layers: tuple[int, ...]  #: the decoder-layer numbers of its layers (``model.layers.N...``)

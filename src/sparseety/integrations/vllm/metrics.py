@@ -45,6 +45,12 @@ class VllmMetrics:
                                       ["engine"], registry=r)
         self.draft_rejected = Counter(P + "draft_rejected_tokens", "Speculative draft tokens rejected.",
                                       ["engine"], registry=r)
+        self.window_freed_blocks = Counter(P + "window_freed_blocks", "KV blocks vLLM's sliding-window groups "
+                                           "freed while their requests ran (tokens that left every window).",
+                                           ["engine"], registry=r)
+        self.window_freed_bytes = Counter(P + "window_freed_bytes", "Bytes of the KV blocks vLLM's "
+                                          "sliding-window groups freed while their requests ran.", ["engine"],
+                                          registry=r)
         self.trace_traced = Counter(P + "trace_records_traced", "Trace records handed to the writer.",
                                     registry=r)
         self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records dropped because a queue "

@@ -43,10 +43,11 @@ from typing import Any
 from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_channel
 from sparseety.integrations.vllm.hooks import guarded
+from sparseety.integrations.vllm.window_frees import WindowFrees
 
 log = logging.getLogger("sparseety.vllm")
 _ROUTE = True  #: route engine-core records to the owning API server (``Request.client_index``)
-ENGINE_CORE_HOOKS = ("prefill-chunks", "drafts", "kv-blocks")
+ENGINE_CORE_HOOKS = ("prefill-chunks", "drafts", "kv-blocks", "window-frees")
 FRONTEND_HOOKS = ("preemptions", "finished-requests")
 
 
@@ -65,7 +66,9 @@ def register() -> None:
         if on["drafts"]:
             _patch_drafts(scheduler)
         if on["kv-blocks"]:
-            _patch_kv_blocks(scheduler)
+            _patch_kv_blocks(scheduler, window=on["window-frees"])
+            if on["window-frees"]:
+                _patch_window_frees(adapter.resolve(adapter.COORD))
         output_processor = adapter.resolve(adapter.OP)
         if on["preemptions"]:
             _patch_preemptions(output_processor)
@@ -82,6 +85,9 @@ def _patch_attention(loud: bool) -> None:
     from sparseety.integrations.vllm.worker_hooks import install
 
     install(loud)
+    from sparseety.integrations.vllm import routing_capture
+
+    routing_capture.install(loud)  # ``moe-routing``: the MoE routing of every request (:mod:`.routing_capture`)
 
 
 # -- API server: the frontend's per-output loop ------------------------------------------------------------
@@ -231,16 +237,53 @@ def _patch_drafts(cls: Any) -> None:
     adapter.patch(cls, "update_from_output", "drafts", make)
 
 
-def _patch_kv_blocks(cls: Any) -> None:
-    """``kv-blocks``: the KV bytes a request held, read when vLLM frees its blocks."""
+def _patch_kv_blocks(cls: Any, window: bool) -> None:
+    """``kv-blocks``: the KV bytes a request held, read when vLLM frees its blocks; with ``window``
+    (``window-frees`` on) also its peak and the blocks its sliding-window groups freed on the way."""
+    def window_record(scheduler: Any, request: Any) -> list | None:
+        return _WINDOW.finish(adapter.coordinator_of(scheduler), adapter.request_id(request))
+
     def make(original):
         def _free_request_blocks(self, *args, **kwargs):
             request = adapter.arg(args, kwargs, 0, "request")
             held = guarded("kv-blocks", adapter.blocks_of, self, request)
+            frees = guarded("window-frees", window_record, self, request) if window else None
             result = original(self, *args, **kwargs)
             if held:
                 guarded("kv-blocks", _send, "kv", held, {held[0][0]: request})
+            if frees:
+                guarded("window-frees", _send_window, frees, request)
             return result
         return _free_request_blocks
 
     adapter.patch(cls, "_free_request_blocks", "kv-blocks", make)
+
+
+_WINDOW = WindowFrees()
+_GROUPS_SENT: set[int] = set()  #: API servers told the KV-cache groups
+
+
+def _send_window(record: list, request: Any) -> None:
+    """``window``: one request's peak and window frees, after the groups its API server has not had yet."""
+    client = _client_of(request)
+    if client not in _GROUPS_SENT:
+        _GROUPS_SENT.add(client)
+        _send("groups", [[-1, _WINDOW.groups_record()]], {-1: request})
+    _send("window", [record], {record[0]: request})
+
+
+def _patch_window_frees(cls: Any) -> None:
+    """``window-frees``: around the coordinator's ``remove_skipped_blocks`` (every scheduled request, every
+    step), the blocks the request holds (a peak candidate) and those its sliding-window groups free."""
+    def make(original):
+        def remove_skipped_blocks(self, *args, **kwargs):
+            request_id = adapter.arg(args, kwargs, 0, "request_id")
+            nulls = guarded("window-frees", _WINDOW.before, self, request_id)
+            result = original(self, *args, **kwargs)
+            if nulls is not None:
+                guarded("window-frees", _WINDOW.after, self, request_id,
+                        adapter.arg(args, kwargs, 1, "processed_computed_tokens"), nulls)
+            return result
+        return remove_skipped_blocks
+
+    adapter.patch(cls, "remove_skipped_blocks", "window-frees", make)

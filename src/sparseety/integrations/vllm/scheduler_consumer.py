@@ -8,7 +8,11 @@ and hands each message to :class:`RequestTable`, which keeps, per vLLM internal 
 - ``draft``: ``[request id, step, first position, draft ids, accepted]`` per verify step -> ``drafts``;
 - ``kv``: ``[request id, bytes, blocks]`` when vLLM frees the request's blocks -> ``kv_held`` (the peak);
 - ``owner``: ``[request id, API server]`` for requests another API server owns (API server 0 only) ->
-  ``owners`` (read by :class:`.importance_consumer.ImportanceConsumer` to forward important tokens).
+  ``owners`` (read by :class:`.importance_consumer.ImportanceConsumer` to forward important tokens);
+- ``window``: ``[request id, peak bytes, peak blocks, frees]`` when vLLM frees a request's blocks, with
+  ``frees`` ``[[computed tokens, group, blocks], ...]`` its sliding-window groups freed -> ``kv_held`` (the
+  peak) and ``window_frees``; ``groups``: the engine core's KV-cache groups (once per API server) ->
+  :attr:`RequestTable.groups` (:mod:`.window_frees`).
 
 Every table is bounded (``4 x SPARSEETY_QUEUE_SIZE`` requests); the oldest request goes first and is
 counted in :attr:`RequestTable.dropped`. The finisher takes a request's entries when it writes its record.
@@ -22,6 +26,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from sparseety.integrations.vllm.messages import KVGroup
+
 log = logging.getLogger("sparseety.vllm")
 
 
@@ -32,8 +38,11 @@ class RequestTable:
         self.limit = limit  #: requests per table
         self.chunks: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()  #: ``(first position, tokens)``
         self.drafts: OrderedDict[str, list[tuple[int, int, list[int], int]]] = OrderedDict()
-        self.kv_held: OrderedDict[str, list[int]] = OrderedDict()  #: ``[peak bytes, peak blocks]``
+        #: ``[peak bytes, peak blocks, dense bytes]``; dense: held at the end plus what the windows freed
+        self.kv_held: OrderedDict[str, list[int]] = OrderedDict()
         self.owners: OrderedDict[str, list[int]] = OrderedDict()  #: ``[API server, start forwarded]``
+        self.window_frees: OrderedDict[str, list[list[int]]] = OrderedDict()  #: ``[computed, group, blocks]``
+        self.groups: list[KVGroup] | None = None  #: the KV-cache groups, from the first engine core that sent them
         self.dropped = 0  #: requests whose records were dropped (a table was full), or forwards that did not fit
 
     def _entry(self, table: OrderedDict, req_id: str, empty: Any) -> Any:
@@ -59,8 +68,25 @@ class RequestTable:
     def on_kv_blocks(self, records: list) -> None:
         """``[request id, bytes, blocks]`` when vLLM freed a request's blocks (``kv-blocks`` hook): the peak."""
         for req_id, nbytes, blocks in records:
-            held = self._entry(self.kv_held, req_id, lambda: [0, 0])
+            held = self._entry(self.kv_held, req_id, lambda: [0, 0, 0])
+            held[0], held[1], held[2] = max(held[0], int(nbytes)), max(held[1], int(blocks)), int(nbytes)
+
+    def on_window(self, records: list) -> None:
+        """``[request id, peak bytes, peak blocks, frees]`` (``window`` hook): the peak, and the window frees."""
+        groups = self.groups or []
+        for req_id, nbytes, blocks, frees in records:
+            held = self._entry(self.kv_held, req_id, lambda: [0, 0, 0])
             held[0], held[1] = max(held[0], int(nbytes)), max(held[1], int(blocks))
+            held[2] += sum(int(n) * groups[int(g)].block_bytes for _, g, n in frees if int(g) < len(groups))
+            self._entry(self.window_frees, req_id, list).extend([int(c), int(g), int(n)] for c, g, n in frees)
+
+    def on_groups(self, records: list) -> None:
+        """``[[-1, [[group, window, block bytes, kv heads, layers], ...]]]`` (once per engine core)."""
+        for _, groups in records:
+            if self.groups is None:
+                self.groups = [KVGroup(group=int(g), window=int(w) if w else None, block_bytes=int(b),
+                                       kv_heads=int(h), layers=tuple(int(n) for n in layers))
+                               for g, w, b, h, layers in groups]
 
     def on_owners(self, records: list) -> None:
         """``[request id, API server]`` for requests another API server owns (``owners``, API server 0)."""
@@ -70,10 +96,10 @@ class RequestTable:
                 self.owners.popitem(last=False)
 
     def take(self, internal_id: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, list[int], int]],
-                                              list[int] | None]:
-        """``(chunks, drafts, kv held)`` of a finished request, forgetting them."""
+                                              list[int] | None, list[list[int]]]:
+        """``(chunks, drafts, kv held, window frees)`` of a finished request, forgetting them."""
         return (self.chunks.pop(internal_id, []), self.drafts.pop(internal_id, []),
-                self.kv_held.pop(internal_id, None))
+                self.kv_held.pop(internal_id, None), self.window_frees.pop(internal_id, []))
 
 
 class SchedulerConsumer:
@@ -84,7 +110,7 @@ class SchedulerConsumer:
         self.table = table
         self._stop = stop
         self._handlers = {"chunk": table.on_chunks, "draft": table.on_drafts, "kv": table.on_kv_blocks,
-                          "owner": table.on_owners}
+                          "owner": table.on_owners, "window": table.on_window, "groups": table.on_groups}
         self.thread = threading.Thread(target=self._run, name="sparseety-vllm-chunks", daemon=True)
         self.thread.start()
 

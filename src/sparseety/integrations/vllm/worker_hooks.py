@@ -82,6 +82,7 @@ class WorkerCapture:
         self.step: list[tuple[RequestCapture, int, int, int, list[int]]] | None = None
         self.layer_index: dict[str, int] = {}
         self.shapes: dict[str, ImplShape] = {}  #: layer name -> its heads and scale
+        self.windows: list[int | None] = []  #: per captured layer, its sliding window (None: full attention)
         self.grams: list[Any] | None = None  #: ``output`` mode's per-layer Gram matrices (None: unavailable)
         self.layers = 0
         self.wrapped = False
@@ -180,7 +181,8 @@ class WorkerCapture:
                 capture.write(index, p0, key[s:e].view(e - s, shape.num_kv_heads, -1),
                               value[s:e].view(e - s, shape.num_kv_heads, -1))
             if rows:
-                capture.score(index, p0, query[s:e].view(e - s, shape.num_heads, -1), rows, shape.scale)
+                capture.score(index, p0, query[s:e].view(e - s, shape.num_heads, -1), rows, shape.scale,
+                              self.windows[index])
 
 
 _CAPTURE: WorkerCapture | None = None
@@ -308,20 +310,22 @@ def wrap_backends(state: WorkerCapture) -> None:
     skipped: list[str] = []
     classes: dict[type, None] = {}
     impls: dict[str, Any] = {}
+    windows: dict[str, int | None] = {}
     for layer in adapter.attention_layers():
         number = layer_number(layer.name)
         if number is None:
             continue
         if layer.variant is not None:
-            skipped.append(layer.name)  # not the plain causal softmax row_probs computes
+            skipped.append(layer.name)  # not the causal (windowed) softmax row_probs computes
             continue
         named.append((number, layer.name))
+        windows[layer.name] = layer.window
         impls[layer.name] = layer.impl
         classes[type(layer.impl)] = None
     if skipped:
-        log.warning("sparseety: important tokens of vLLM requests are off: %d attention layers use a sliding "
-                    "window, a logit soft cap, ALiBi or sinks (%s, ...), which the capture does not score yet",
-                    len(skipped), skipped[0])
+        log.warning("sparseety: important tokens of vLLM requests are off: %d attention layers use a logit "
+                    "soft cap, ALiBi or sinks (%s, ...), which the capture does not score (SparSEEty's own engine "
+                    "has no reference for them to be compared with)", len(skipped), skipped[0])
         return
     ok = [cls for cls in classes if _wrap_impl(cls)]
     if not ok:
@@ -329,6 +333,7 @@ def wrap_backends(state: WorkerCapture) -> None:
     keep = sorted(named)
     state.shapes = {name: adapter.impl_shape(impls[name]) for _, name in keep}
     state.layer_index = {name: i for i, (_, name) in enumerate(keep)}
+    state.windows = [windows[name] for _, name in keep]
     state.layers = len(keep)
     log.info("sparseety: important tokens of sampled vLLM requests from %s over %d layers",
              ", ".join(c.__name__ for c in ok), state.layers)
