@@ -12,8 +12,9 @@ the medians (target >= 0.97).
         [--model smollm2-135m] [--out benchmarks/results/vllm_observer/vllm_observer.json]
 
 ``--model`` takes a built-in name (``smollm2-moe``: the MoE model, whose every request's expert routing is
-then counted, and the 5% sampled requests' routing captured too; the result then goes to
-``vllm_observer_<model>.json`` unless ``--out`` says otherwise).
+then counted, and the 5% sampled requests' routing captured too; ``gemma3-270m`` with ``--prompt-words 500``:
+prompts past its 512-token window, so every request's window rows and frees are recorded; the result then
+goes to ``vllm_observer_<model>.json`` unless ``--out`` says otherwise).
 
 With the worker's importance capture on (tier 2, ``SPARSEETY_IMPORTANCE`` default ``value``), the sampled
 requests also get their important tokens: the issue's "tier 1 for all plus importance for 5% sampled".
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sample-rate", type=float, default=0.05)
+    parser.add_argument("--prompt-words", type=int, default=150,
+                        help="words per prompt (gemma3-270m: 500, about 650 tokens, past its 512-token window)")
     parser.add_argument("--model", default="smollm2-135m", help="built-in model name (e.g. smollm2-moe)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -125,7 +128,7 @@ def main() -> None:
         rates: dict[str, list[float]] = {"off": [], "observer": []}
         for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
             rng = random.Random(round_index)
-            prompts = [f"Round {round_index} note {i}: " + " ".join(rng.choice(WORDS) for _ in range(150))
+            prompts = [f"Round {round_index} note {i}: " + " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
                        for i in range(args.requests)]
             order = (off, on) if round_index % 2 == 0 else (on, off)
             for server in order:
@@ -140,7 +143,7 @@ def main() -> None:
         result = {"model": args.model, "off_tokens_per_s": round(med["off"], 1), "observer_tokens_per_s": round(med["observer"], 1),
                   "ratio": round(ratio, 3), "target": 0.97, "rounds": args.rounds,
                   "requests": args.requests, "concurrency": args.concurrency,
-                  "max_tokens": args.max_tokens, "sample_rate": args.sample_rate,
+                  "max_tokens": args.max_tokens, "sample_rate": args.sample_rate, "prompt_words": args.prompt_words,
                   "per_round": {k: [round(r, 1) for r in v] for k, v in rates.items()},
                   "load_average_end": list(os.getloadavg())}
         print(json.dumps(result))

@@ -58,7 +58,7 @@ from sparseety.integrations.vllm.finisher import Finisher
 from sparseety.integrations.vllm.importance_consumer import ImportanceConsumer, client_channel_of
 from sparseety.integrations.vllm.kv_consumer import KVConsumer
 from sparseety.integrations.vllm.messages import FinishedRequest, FinishedStats
-from sparseety.integrations.vllm.routing_consumer import RoutingConsumer
+from sparseety.integrations.vllm.routing_consumer import RoutingConsumer, routing_expected
 from sparseety.integrations.vllm.scheduler_consumer import RequestTable, SchedulerConsumer
 from sparseety.integrations.vllm.settings import Settings, parse_settings
 from sparseety.integrations.vllm.sink import TraceSink, engine_label
@@ -93,7 +93,8 @@ class Observer:
         self.importance = ImportanceConsumer(self._channel, self.requests, client)
         self.kv = KVConsumer(self.sink)
         self.finisher = Finisher(self.sink, self.requests, self.kv, self.importance, channel=bool(self._channel))
-        self.routing = RoutingConsumer(self._channel if client == 0 else None)  # the workers send to API server 0
+        # the workers send to API server 0, which forwards other API servers' requests to them
+        self.routing = RoutingConsumer(self._channel, owners=self.requests.route_owners if client == 0 else None)
         self.finisher.routing = self.routing
         atexit.register(self.close)
 
@@ -112,6 +113,7 @@ class Observer:
         subscribes."""
         self.sink.configure(model=model, block_size=block_size, config=config, tokenizer=tokenizer,
                             model_path=model_path)
+        self.routing.expected = routing_expected(model_path)
         endpoint = self.settings.kv_endpoint or kv_endpoint
         if endpoint and endpoint != "off" and self.client == 0:
             self.kv.subscribe(endpoint, data_parallel_size)

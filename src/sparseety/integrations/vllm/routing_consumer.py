@@ -2,7 +2,10 @@
 
 :mod:`.routing_capture` (in vLLM's worker) sends ``["moe", {layers, experts, top_k}]`` at its first routed
 forward and ``["route", result]`` for every request when vLLM removes it, to API server 0's routing channel
-(:func:`.channels.routing_channel`). :class:`RoutingConsumer` binds the PULL end in a thread of its own and:
+(:func:`.channels.routing_channel`). Each API server's :class:`RoutingConsumer` binds the PULL end of
+its own routing channel in a thread of its own; API server 0's forwards the results of requests another
+API server owns (the scheduler names the owner, ``--api-server-count > 1``) to that server's routing
+channel, marked as counted, after the model's shape. Every request is counted once, where it arrives first:
 
 - counts each request's routed tokens as they come, ``sparseety:moe_expert_tokens_total{layer, expert}``
   (tokens times top-k per layer over all experts), and sets ``sparseety:moe_load_imbalance{layer}`` (the
@@ -70,13 +73,37 @@ def imbalance(counts: np.ndarray) -> list[float]:
     return [round(float(m / a), 4) if a > 0 else 0.0 for m, a in zip(counts.max(axis=-1), mean, strict=True)]
 
 
+def routing_expected(model_path: str | None) -> bool:
+    """Whether the served checkpoint is a mixture of experts (its ``config.json`` names a number of
+    experts), so that a request's routing is waited for even before the worker has said the model is MoE
+    (an API server other than 0 hears it only with its first forwarded request)."""
+    import json
+
+    from sparseety.integrations.vllm.routing_capture import routing_on
+
+    if not model_path or not routing_on():
+        return False
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    return any(int(config.get(key) or 0) > 1 for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 class RoutingConsumer:
     """The worker's routing results for this API server (only API server 0 receives them)."""
 
-    def __init__(self, channel: str | None, limit: int = 4096, metrics: RoutingMetrics | None = None) -> None:
+    def __init__(self, channel: str | None, limit: int = 4096, metrics: RoutingMetrics | None = None,
+                 owners: OrderedDict[str, int] | None = None) -> None:
         self.endpoint = routing_channel(channel) if channel else None
         self.limit = limit
         self.metrics = metrics
+        self.owners = owners  #: API server 0: request id -> the API server that owns it (the scheduler's)
+        self.expected = False  #: the served checkpoint is MoE (:func:`routing_expected`): wait for results
+        self._forward: dict[int, Any] = {}  #: API server -> PUSH to its routing channel
+        self.forwarded = 0
         self.moe: dict[str, Any] | None = None  #: the worker's ``{layers, experts, top_k}`` (None: not MoE yet)
         self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.totals: np.ndarray | None = None  #: ``[layers, experts]`` over every request so far
@@ -95,7 +122,12 @@ class RoutingConsumer:
         if kind == "moe":
             self.moe = dict(body)
         elif kind == "route":
-            self.count(body)
+            if not body.get("counted"):
+                self.count(body)
+            client = self.owners.pop(str(body["req_id"]), 0) if self.owners else 0
+            if client > 0:
+                self._send(client, body)
+                return
             with self._lock:
                 self.results[str(body["req_id"])] = body
                 while len(self.results) > self.limit:
@@ -117,6 +149,29 @@ class RoutingConsumer:
                 m.expert_tokens.labels(layer=str(layer), expert=str(int(expert))).inc(int(counts[row, expert]))
         for layer, value in zip(layers, imbalance(self.totals), strict=True):
             m.imbalance.labels(layer=str(layer)).set(value)
+
+    def _send(self, client: int, body: dict[str, Any]) -> None:
+        """Forward one counted result to API server ``client`` (after the model's shape, once)."""
+        import msgspec
+        import zmq
+
+        from sparseety.integrations.vllm.importance_consumer import client_channel_of
+
+        sock = self._forward.get(client)
+        messages = [["route", {**body, "counted": True}]]
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(routing_channel(client_channel_of(client)))
+            self._forward[client] = sock
+            messages.insert(0, ["moe", self.moe])
+        try:
+            for message in messages:
+                sock.send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
+            self.forwarded += 1
+        except zmq.Again:
+            self.dropped += 1
 
     def _run(self) -> None:
         import msgspec
@@ -158,7 +213,7 @@ class RoutingConsumer:
         from sparseety.integrations.vllm.importance import WAIT_S
 
         now = time.monotonic() if now is None else now
-        if self.moe is None or now - finished_at >= WAIT_S:
+        if (self.moe is None and not self.expected) or now - finished_at >= WAIT_S:
             return False
         with self._lock:
             return internal_id not in self.results
@@ -170,11 +225,11 @@ class RoutingConsumer:
     def attach(self, run: VllmRun, internal_id: str) -> dict[str, Any] | None:
         """Put the request's routing into ``run`` (arrays for a sampled request, the experts of its
         per-layer important tokens); returns ``extra_json.vllm.moe`` (None: not an MoE model)."""
-        if self.moe is None:
+        if self.moe is None and not self.expected:
             return None
         result = self.take(internal_id)
         if result is None:
-            return {"status": "lost", **self.moe}
+            return {"status": "lost", **(self.moe or {})}
         layers = [int(x) for x in result["layers"]]
         experts, k = int(result["experts"]), int(result["top_k"])
         counts = np.frombuffer(result["counts"], dtype=np.int64).reshape(len(layers), experts)

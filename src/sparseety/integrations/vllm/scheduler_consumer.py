@@ -41,6 +41,7 @@ class RequestTable:
         #: ``[peak bytes, peak blocks, dense bytes]``; dense: held at the end plus what the windows freed
         self.kv_held: OrderedDict[str, list[int]] = OrderedDict()
         self.owners: OrderedDict[str, list[int]] = OrderedDict()  #: ``[API server, start forwarded]``
+        self.route_owners: OrderedDict[str, int] = OrderedDict()  #: API server, for the MoE routing's forward
         self.window_frees: OrderedDict[str, list[list[int]]] = OrderedDict()  #: ``[computed, group, blocks]``
         self.groups: list[KVGroup] | None = None  #: the KV-cache groups, from the first engine core that sent them
         self.dropped = 0  #: requests whose records were dropped (a table was full), or forwards that did not fit
@@ -92,8 +93,11 @@ class RequestTable:
         """``[request id, API server]`` for requests another API server owns (``owners``, API server 0)."""
         for req_id, client in records:  # most are never sampled: the oldest simply go (not a loss)
             self.owners.setdefault(str(req_id), [int(client), 0])
+            self.route_owners[str(req_id)] = int(client)
             while len(self.owners) > self.limit:
                 self.owners.popitem(last=False)
+            while len(self.route_owners) > self.limit:
+                self.route_owners.popitem(last=False)
 
     def take(self, internal_id: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, list[int], int]],
                                               list[int] | None, list[list[int]]]:
