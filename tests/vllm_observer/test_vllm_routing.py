@@ -158,3 +158,42 @@ def test_counters_equal_the_routed_tokens_and_batching_routes_alike(server):
     assert moe_a["expert_tokens"] == moe_b["expert_tokens"]
     assert (a.arrays["route.ids"] == b.arrays["route.ids"]).all()
     assert np.abs(a.arrays["route.weights"] - b.arrays["route.weights"]).max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tmp_path_factory):
+    """``smollm2-moe`` behind two API servers (vLLM's CPU build runs MoE with one data-parallel rank only:
+    with two, its expert dispatch needs ``all_gatherv``, which the CPU communicator lacks)."""
+    require_vllm()
+    from sparseety.models.registry import resolve_model_dir
+
+    base = tmp_path_factory.mktemp("vllm-routing-api")
+    srv = VllmServer(resolve_model_dir("smollm2-moe"), base / "traces", base / "vllm.log", speculative=False,
+                     extra_env={"SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_TIER": "2"},
+                     extra_args=["--api-server-count", "2"]).start()
+    yield srv
+    srv.stop()
+
+
+def test_every_api_server_records_its_requests_routing_counted_once(two_api_servers):
+    """The workers send routing to API server 0, which forwards the other API server's requests to it."""
+    srv = two_api_servers
+    prompts = [f"{p} (note {i})" for i in range(3) for p in (PROMPT, *OTHERS)]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda p: srv.complete(p, 4), prompts))
+    assert wait_for_vllm_rows(srv.trace_dir, len(replies), timeout=90) == len(replies), srv.log_tail()
+    store = connect(srv.trace_dir)
+    rows = {rid: json.loads(x)["vllm"] for rid, x in store.sql(
+        "SELECT request_id, extra_json FROM requests WHERE policy = 'vllm'").fetchall()}
+    assert {info["api_server"] for info in rows.values()} == {0, 1}
+    routed = 0
+    for reply in replies:
+        info = rows[reply["id"] + "-0"]
+        usage = reply["usage"]
+        fed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] + usage["completion_tokens"] - 1
+        assert info["moe"]["status"] == "recorded" and info["moe"]["tokens"] == [fed] * LAYERS, info
+        routed += fed * TOP_K * LAYERS
+    deadline = time.monotonic() + 30
+    while _routed(srv) < routed and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _routed(srv) == routed  # /metrics sums both API servers (vLLM's multiprocess metrics)
