@@ -55,10 +55,11 @@ SCRIPT = textwrap.dedent('''
     assert step5 == [["a", 5, 15, [1, 2], 0]], step5
     assert adapter.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={}), runner_out) == []
 
-    # -- the KV blocks a request held, per KV-cache group --
+    # -- the KV blocks a request held, per KV-cache group (vLLM's null block 0 is not held) --
     group = NS(kv_cache_spec=NS(page_size_bytes=1000), layer_names=["l0", "l1", "l2"])
     kv_scheduler = NS(kv_cache_config=NS(kv_cache_groups=[group]),
-                      kv_cache_manager=NS(get_block_ids=lambda rid: ([4, 5, 6],) if rid == "a" else ([],)))
+                      kv_cache_manager=NS(get_block_ids=lambda rid: ([0, 4, 5, 6],) if rid == "a" else ([],),
+                                          block_pool=NS(null_block=NS(block_id=0))))
     assert adapter.blocks_of(kv_scheduler, NS(request_id="a")) == [["a", 9000, 3]]
     assert adapter.blocks_of(kv_scheduler, NS(request_id="b")) == []
 
