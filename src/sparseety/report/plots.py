@@ -149,13 +149,14 @@ def _compare_kl(fig: Any, view: dict[str, Any]) -> None:
 
 
 def _moe_load(fig: Any, view: dict[str, Any]) -> None:
-    """Each layer's share of tokens routed first to each expert."""
+    """Each layer's expert load (the first grid the trace has: vLLM's routed share, else the top-1 share)."""
     moe = view["moe"]
     ax = fig.add_subplot()
-    image = ax.imshow(np.array(moe["top1_share"]), aspect="auto", cmap="Blues", interpolation="nearest")
+    grid = moe["grids"][0]
+    image = ax.imshow(np.array(moe[grid]), aspect="auto", cmap="Blues", interpolation="nearest")
     ax.set_yticks(range(len(moe["layers"])), [str(x) for x in moe["layers"]])
-    ax.set(xlabel="expert", ylabel="layer", title="Expert load: share of tokens routed first to each expert")
-    fig.colorbar(image, ax=ax, label="top-1 share")
+    ax.set(xlabel="expert", ylabel="layer", title=f"Expert load: {moe['labels'][grid]}")
+    fig.colorbar(image, ax=ax, label=moe["labels"][grid])
 
 
 def _drafts(fig: Any, view: dict[str, Any]) -> None:

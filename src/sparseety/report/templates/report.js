@@ -409,7 +409,9 @@ function traceReport() {
   if (select) select.addEventListener("change", () => setLayer(+select.value));
 
   if (D.compare) drawCompare(D.compare);
+  if (D.window_frees) drawWindowFrees(D.window_frees);
   if (D.moe) drawMoe(D.moe);
+  if (D.routing) drawRouting(D.routing, D.moe);
   if (D.drafts) drawDrafts(D.drafts);
   if (D.pruning) drawPruning(D.pruning);
   setLayer(layer);
@@ -443,7 +445,7 @@ function drawCompare(c) {
 }
 function drawMoe(m) {
   const box = q(".moe-body");
-  const which = el("select", {}, el("option", {value: "top1_share", text: "top-1 share of tokens"}), el("option", {value: "mean_prob", text: "mean router probability"}));
+  const which = el("select", {}, ...m.grids.map((k) => el("option", {value: k, text: m.labels[k]})));
   const holder = el("div", {class: "chart"});
   function draw() {
     const grid = m[which.value], max = Math.max(...grid.flat(), 1e-9);
@@ -462,6 +464,29 @@ function drawMoe(m) {
   which.addEventListener("change", draw);
   box.append(el("div", {class: "legend"}, el("span", {text: "show "}), which), holder);
   draw();
+}
+function drawWindowFrees(w) {
+  const layers = Object.entries(w.windows).map(([l, n]) => `${l} (${n})`).join(", ");
+  const groups = w.groups.map((g) => `group ${g.group}: ${g.blocks} blocks`).join(", ");
+  q(".window-frees-body").append(
+    el("div", {class: "sub", text: `${fmt(w.freed_bytes / 1048576, 3)} MiB in ${w.freed_blocks} blocks returned to vLLM's pool as tokens left the windows of layers ${layers} (layer (window)); per KV-cache group: ${groups}.`}),
+    lineChart({series: [{name: "freed by all windowed groups", xs: w.steps, ys: w.bytes.map((b) => b / 1048576), color: "#2b8cbe"}],
+      yMin: 0, xLabel: "decode step (0: prefill)", yLabel: "freed so far (MiB)", width: 1000, height: 260}));
+}
+function drawRouting(r, m) {
+  /* rows: the most important tokens; columns: MoE layers; cell: top-1 expert, shaded by that expert's load in the layer */
+  const load = m && m[m.grids[0]], row = m ? Object.fromEntries(m.layers.map((l, i) => [l, i])) : {};
+  const head = el("tr", {}, el("th", {text: "rank"}), el("th", {text: "token"}), ...r.layers.map((l) => el("th", {text: `L${l}`})));
+  const body = r.tokens.map((t, i) => el("tr", {"data-p": t.position}, el("td", {class: "num", text: fmt(t.rank)}),
+    el("td", {class: "tokcell", text: JSON.stringify(t.text)}),
+    ...r.layers.map((l, j) => {
+      const e = r.experts[i][j], share = load && row[l] !== undefined && e >= 0 ? load[row[l]][e] : null;
+      const td = el("td", {class: "num", text: e >= 0 ? String(e) : "—", title: e >= 0 ? `layer ${l}: expert ${e}` + (share === null ? "" : `, ${fmt(100 * share, 3)}% of the layer's load`) : "not computed"});
+      if (share !== null) { const v = Math.min(1, share * m.experts / 2); td.style.background = heatColor(v); if (v > 0.55) td.style.color = "#fff"; }
+      return td;
+    })));
+  q(".routing-body").append(el("div", {class: "sub", text: "The expert each important token was routed to first, per MoE layer; shade: that expert's share of the layer's load (darkest at twice the even share)."}),
+    el("div", {class: "scroll"}, el("table", {class: "data routing"}, el("thead", {}, head), el("tbody", {}, ...body))));
 }
 function drawDrafts(d) {
   q(".drafts-body").append(el("div", {class: "sub", text: `${d.proposed.reduce((a, b) => a + b, 0)} draft tokens proposed, ${d.rejected.reduce((a, b) => a + b, 0)} rejected`}),
