@@ -17,6 +17,7 @@ from sparseety.report.plots import (
     timeline_rgb,
 )
 from sparseety.report.timeline import build_timeline
+from sparseety.store import StoredTrace
 
 SIZE = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
 
@@ -36,6 +37,15 @@ def test_moe_and_draft_figures(moe_trace, tmp_path: Path):
     names = [p.name for p in save_figures(trace_view(moe_trace), tmp_path)]
     assert "moe_load.png" in names and "drafts.png" in names
     assert all(png_size(tmp_path / n) == SIZE for n in names)
+    assert "window_frees.png" not in names
+
+
+def test_window_frees_figure_of_a_vllm_windowed_trace(moe_trace, tmp_path: Path):
+    document = {**moe_trace.document, "vllm": {"window": {"layers": {"0": 8}, "freed_blocks": 3, "freed_bytes": 3 * 2**20,
+                                                          "frees": [[0, 0, 1, 2**20], [2, 0, 2, 2 * 2**20]]}}}
+    view = trace_view(StoredTrace(document=document, arrays=moe_trace.arrays, path=moe_trace.path))
+    names = [p.name for p in save_figures(view, tmp_path)]
+    assert "window_frees.png" in names and png_size(tmp_path / "window_frees.png") == SIZE
 
 
 def test_passkey_and_tune_figures(tmp_path: Path):

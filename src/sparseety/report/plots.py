@@ -85,11 +85,13 @@ def _trace_figures(view: dict[str, Any]) -> list[tuple[str, Any]]:
         "kept_fraction": bool(view["kept_fraction"]),
         "compare_kl": bool(_kl_per_step(view)),
         "moe_load": bool(view["moe"]),
+        "window_frees": bool(view.get("window_frees")),
         "drafts": bool(view["drafts"]),
         "pruning": bool(view["pruning"]),
     }
     draws = {"importance": _importance, "timeline": _timeline, "kept_fraction": _kept_fraction,
-             "compare_kl": _compare_kl, "moe_load": _moe_load, "drafts": _drafts, "pruning": _pruning}
+             "compare_kl": _compare_kl, "moe_load": _moe_load, "window_frees": _window_frees, "drafts": _drafts,
+             "pruning": _pruning}
     return [(name, functools.partial(draws[name], view=view)) for name, show in shown.items() if show]
 
 
@@ -157,6 +159,16 @@ def _moe_load(fig: Any, view: dict[str, Any]) -> None:
     ax.set_yticks(range(len(moe["layers"])), [str(x) for x in moe["layers"]])
     ax.set(xlabel="expert", ylabel="layer", title=f"Expert load: {moe['labels'][grid]}")
     fig.colorbar(image, ax=ax, label=moe["labels"][grid])
+
+
+def _window_frees(fig: Any, view: dict[str, Any]) -> None:
+    """KV memory the windowed KV-cache groups of a vLLM request returned, cumulative over the steps."""
+    w = view["window_frees"]
+    ax = fig.add_subplot()
+    ax.step(w["steps"], np.asarray(w["bytes"]) / 2**20, where="post", color="#2b8cbe")
+    ax.set(xlabel="decode step (0: prefill)", ylabel="freed so far (MiB)",
+           title=f"KV freed by sliding windows: {w['freed_blocks']} blocks")
+    ax.set_ylim(bottom=0)
 
 
 def _drafts(fig: Any, view: dict[str, Any]) -> None:
