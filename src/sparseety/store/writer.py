@@ -72,7 +72,9 @@ class _Item:
 
 
 POLL_S = 0.005
-"""How often an idle writer thread looks at its queue."""
+"""How often a paused writer thread looks whether it may go on."""
+IDLE_WAIT_S = 1.0
+"""Longest sleep of a writer thread with nothing queued or pending (producers wake it sooner)."""
 PATHS_KEPT = 4096
 """How many recent requests :meth:`TraceWriter.path_of` remembers (bounded for long-running servers)."""
 
@@ -135,6 +137,7 @@ class TraceWriter:
         self._flushes: deque[threading.Event] = deque()
         self._paused = threading.Event()
         self._idle = threading.Event()
+        self._wake = threading.Event()  # set by producers, flush, pause, resume and close: no idle polling
         self._pending: list[RequestRows] = []
         self._pending_rows = 0
         self._pending_since = 0.0
@@ -159,6 +162,7 @@ class TraceWriter:
             return False
         self._in_flight[result.request_id] = None  # a dict store: atomic, no lock on the producer's path
         self._queue.append(_Item(result, sample_rate, extra, time.time()))
+        self._wake.set()
         return True
 
     def status(self, request_id: str) -> str | None:
@@ -206,17 +210,20 @@ class TraceWriter:
             return not self._queue
         done = threading.Event()
         self._flushes.append(done)
+        self._wake.set()
         return done.wait(timeout)
 
     def pause(self) -> None:
         """Stop taking records off the queue (records keep being accepted until it is full)."""
         self._idle.clear()
         self._paused.set()
+        self._wake.set()
         self._idle.wait()
 
     def resume(self) -> None:
         """Undo :meth:`pause`."""
         self._paused.clear()
+        self._wake.set()
 
     def close(self) -> WriterStats:
         """Commit everything accepted, stop the thread and return the final stats (idempotent)."""
@@ -224,6 +231,7 @@ class TraceWriter:
             self._closed = True
             self._paused.clear()
             self._stop.set()
+            self._wake.set()
             self._thread.join()
         return self.stats()
 
@@ -253,7 +261,9 @@ class TraceWriter:
             if not self._queue:
                 if self._pending and self._time_left() == 0.0:
                     self._commit()
-                time.sleep(POLL_S)
+                self._wake.clear()  # then look again: a record queued from here on sets it and ends the wait
+                if not (self._queue or self._flushes or self._stop.is_set() or self._paused.is_set()):
+                    self._wake.wait(self._time_left() if self._pending else IDLE_WAIT_S)
                 continue
             self._take()
             if self._pending_rows >= self.batch_rows or self._time_left() == 0.0:
