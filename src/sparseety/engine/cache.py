@@ -83,7 +83,7 @@ class SparseLayer(SlotBuffers):
         if self._state is None:
             assert self._pos is not None
             self._state = torch.zeros(self._pos.shape, dtype=value.dtype, device=value.device)
-        self._state[..., : self._slots] = value
+        self._state.narrow(2, 0, self._slots).copy_(value)
 
     def expect(self, positions: torch.Tensor, fed: int) -> None:
         """Announce that the next :meth:`update` carries only the rows at ``positions`` ``[q]`` (ascending)

@@ -35,7 +35,7 @@ from sparseety.engine.timings import Timings
 from sparseety.engine.tokens import TokenRecord
 from sparseety.engine.window import window_edge
 from sparseety.extract.scoring import slot_norms
-from sparseety.policies.base import Observation, protect, select_evict, select_keep
+from sparseety.policies.base import Observation, Policy, protect, select_evict, select_keep
 from sparseety.policies.parts.rotary import inverse_frequencies
 
 _ACTIVE: ContextVar[RunContext | None] = ContextVar("sparseety_run", default=None)
@@ -253,17 +253,20 @@ class RunContext:
         if not now.evicting:
             return
         self.carry.join(layer, seen, hidden)
+        budget = self.layer_budget(layer)
+        if budget is not None and not (now.prompt or now.drafts or settings.tier) \
+                and evict_unscored(settings.policy, cache_layer, positions, budget):
+            return
         scores = self._score(layer, cache_layer, key, seen, settings.kv_heads)
         if now.prompt and settings.policy.shares_budget and cache_layer.window is None:
             now.shared_scores[layer] = scores  # evicted at the end of this forward (:meth:`share_out`)
             return
-        budget = self.layer_budget(layer)
         keep = settings.policy.keep_count(scores)  # a threshold policy's own count, under its cap
         if keep is not None:
             self.thresholded = True
             budget = keep if budget is None else min(budget, keep)
         if budget is not None and positions.shape[-1] > budget:
-            self._evict(layer, self._eviction_order(hidden_first(scores, cache_layer), cache_layer), budget, now.step)
+            self._evict(layer, eviction_order(hidden_first(scores, cache_layer), cache_layer, now.drafts), budget, now.step)
 
     def observe_split(self, layer: int, signal: torch.Tensor | None) -> None:
         """A layer split per KV head: record the newest row's attention (``signal`` ``[1, 1, capacity]``, each
@@ -284,7 +287,7 @@ class RunContext:
         excess = regions.excess()
         if excess <= 0:
             return
-        scores = self._eviction_order(scores, cache_layer)
+        scores = eviction_order(scores, cache_layer, now.drafts)
         evicted, owners, positions = regions.evict_over_budget(scores[0, 0])
         if settings.tier >= 1:
             self.evictions.add(now.step, layer, positions.view(1, -1),
@@ -295,7 +298,7 @@ class RunContext:
         """The policy's ``[b, kv_heads, n]`` scores of ``cache_layer``'s slots (its state updated), from its own
         signal: the window vote, else column sums, else the newest row."""
         settings, positions = self.settings, cache_layer.positions
-        signal = next((x for x in (seen.window, seen.colsum, seen.last_row) if x is not None), None)
+        signal = seen.window if seen.window is not None else seen.colsum if seen.colsum is not None else seen.last_row
         obs = Observation(
             layer=layer, num_layers=settings.num_layers, step=self.forward.step, prefill=self.forward.prompt,
             positions=positions, keys=key,
@@ -308,18 +311,14 @@ class RunContext:
         scores, cache_layer.state = settings.policy.score(obs)
         return scores
 
-    def _eviction_order(self, scores: torch.Tensor, cache_layer: SparseLayer) -> torch.Tensor:
-        """``scores`` with this forward's unverified drafts above every other protected slot."""
-        drafts = self.forward.drafts
-        if not drafts:
-            return scores
-        return protect(scores.clamp(max=torch.finfo(scores.dtype).max),
-                       cache_layer.positions >= cache_layer.seen - drafts)
-
     def _evict(self, layer: int, scores: torch.Tensor, budget: int, step: int) -> None:
         """Keep layer ``layer``'s ``budget`` best slots by ``scores`` ``[b, kv_heads, n]``; record the rest at ``step``."""
         cache_layer = self.cache.layers[layer]
-        evicted_slots, evicted_positions = cache_layer.evict(select_evict(scores, budget, cache_layer.positions))
+        slots = select_evict(scores, budget, cache_layer.positions)
+        if self.settings.tier < 1 and slots.shape[0] * slots.shape[-1] == 1:  # a decode step recording nothing: no gather
+            cache_layer.evict_one(slots)
+            return
+        evicted_slots, evicted_positions = cache_layer.evict(slots)
         if self.settings.tier >= 1:
             self.evictions.add(step, layer, evicted_positions[0], scores[0].gather(-1, evicted_slots[0]))
 
@@ -365,6 +364,25 @@ class RunContext:
 
 #: every layer's plan in a reconstruction forward: the hook point computes the output only
 _RECONSTRUCTION_PLAN = LayerPlan(last_row=False, window_rows=0, colsum_stride=0, topk=None)
+
+
+def eviction_order(scores: torch.Tensor, cache_layer: SparseLayer, drafts: int) -> torch.Tensor:
+    """``scores`` ``[b, kv_heads, slots]`` with the ``drafts`` unverified drafts above every other protected slot."""
+    if not drafts:
+        return scores
+    return protect(scores.clamp(max=torch.finfo(scores.dtype).max), cache_layer.positions >= cache_layer.seen - drafts)
+
+
+def evict_unscored(policy: Policy, cache_layer: SparseLayer, positions: torch.Tensor, budget: int) -> bool:
+    """A decode step that records nothing: where each head of a global layer holding ``positions`` ``[1, kv_heads,
+    budget + 1]`` drops one slot, let ``policy`` choose it without scoring (:meth:`Policy.evict_one`). True when it did."""
+    if cache_layer.window is not None or positions.shape[0] != 1 or positions.shape[-1] != budget + 1:
+        return False
+    slots = policy.evict_one(positions, cache_layer.seen)
+    if slots is None:
+        return False
+    cache_layer.evict_one(slots)
+    return True
 
 
 def hidden_first(scores: torch.Tensor, cache_layer: SparseLayer) -> torch.Tensor:

@@ -33,7 +33,6 @@ class SlotBuffers(DynamicLayer):
         self._state: torch.Tensor | None = None  #: ``[b, kv_heads, capacity]`` float, once a policy keeps one
         self._norm: torch.Tensor | None = None  #: ``[b, kv_heads, capacity, g]`` float32, with value norms
         self._slots = 0
-        self._offsets: tuple[int, torch.Tensor] | None = None  #: (capacity, ``[kv_heads]`` head * capacity)
 
     def _slot_buffers(self) -> tuple[torch.Tensor, ...]:
         """Every buffer indexed ``[b, kv_heads, slot, ...]`` (keys, values, positions, and the state if held)."""
@@ -115,14 +114,8 @@ class SlotBuffers(DynamicLayer):
         if e == 0:
             return slots, evicted_positions
         k = n - e
-        if e == 1 and b == 1:  # the decode step: the last slot moves into the freed one (a no-op if it is the last)
-            capacity = self._k.shape[2]
-            holes = slots[0, :, 0] + self._head_offsets(h, capacity, slots.device)  # in ``[h * capacity]`` rows
-            for buffer in self._slot_buffers():  # one indexed copy per buffer (each is contiguous)
-                last = buffer[0, :, n - 1]  # one KV head: a contiguous row of the buffer, which index_copy_ refuses
-                buffer[0].view(h * capacity, *buffer.shape[3:]).index_copy_(0, holes, last.clone() if h == 1 else last)
-            self._slots = k
-            self._views()
+        if e == 1 and b == 1:
+            self.evict_one(slots)
         elif e <= IN_PLACE_EVICTIONS and b == 1:
             kept = torch.ones(h, n, dtype=torch.bool, device=slots.device).scatter_(-1, slots[0], False)
             hole_h, hole_s = (~kept[:, :k]).nonzero(as_tuple=True)  # per head, as many holes below k as survivors above
@@ -139,9 +132,21 @@ class SlotBuffers(DynamicLayer):
             self._reallocate(k + min(GROW_SLOTS, max(8, k // 8)), keep)
         return slots, evicted_positions
 
-    def _head_offsets(self, h: int, capacity: int, device: torch.device) -> torch.Tensor:
-        """``[h]`` long: ``head * capacity``, the first row of each head in a buffer's ``[h * capacity]`` rows (cached)."""
-        cached = self._offsets
-        if cached is None or cached[0] != capacity or cached[1].shape[0] != h or cached[1].device != device:
-            cached = self._offsets = (capacity, torch.arange(h, device=device) * capacity)
-        return cached[1]
+    def evict_one(self, slots: torch.Tensor) -> None:
+        """The decode step: drop slot ``slots`` ``[b, kv_heads, 1]`` of every head; the last live slot moves into it
+        (a no-op where it is the last), one scatter per buffer."""
+        n = self._slots
+        b, h = slots.shape[:2]
+        rows = None
+        for buffer in self._slot_buffers():
+            last = buffer.narrow(2, n - 1, 1)  # ``[b, kv_heads, 1, ...]``
+            if b * h == 1:  # a lone row is contiguous: scatter_ refuses a source inside its own output
+                last = last.clone()
+            if buffer.dim() == 3:
+                buffer.scatter_(2, slots, last)
+                continue
+            if rows is None or rows.shape != last.shape:
+                rows = slots.unsqueeze(-1).expand(last.shape)
+            buffer.scatter_(2, rows, last)
+        self._slots = n - 1
+        self._views()

@@ -219,6 +219,12 @@ class Policy:
         when the policy cannot run on it. The default accepts every model."""
 
     # -- scoring -----------------------------------------------------------------------------
+    def evict_one(self, positions: torch.Tensor, seen: int) -> torch.Tensor | None:
+        """A decode step's shortcut, where each head must drop one slot and no score is recorded: ``[b, kv_heads, 1]``
+        the slot :func:`select_evict` would pick from :meth:`score`, found from ``positions`` ``[b, kv_heads, n]``
+        (all below ``seen``) alone, the policy's state untouched; None (the default): the engine scores and selects."""
+        return None
+
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Score every slot of one layer.
 

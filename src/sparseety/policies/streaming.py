@@ -33,3 +33,9 @@ class StreamingPolicy(Policy):
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions = obs.positions
         return protect(positions.to(torch.float32), positions < self.sinks), None
+
+    def evict_one(self, positions: torch.Tensor, seen: int) -> torch.Tensor | None:
+        """The oldest slot past the sinks (positions are distinct per head, and exact as float32 scores below 2**24)."""
+        if seen > 2**24:
+            return None
+        return positions.masked_fill(positions < self.sinks, seen).argmin(dim=-1, keepdim=True)
