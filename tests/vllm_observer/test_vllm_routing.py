@@ -58,10 +58,14 @@ def own_trace(tmp_path_factory):
 
 
 def _record(srv: VllmServer, request_id: str, expected: int):
+    """``request_id``'s stored trace and ``extra_json.vllm.moe``, once ``expected`` rows and its own are stored."""
     assert wait_for_vllm_rows(srv.trace_dir, expected) >= expected, srv.log_tail()
-    store = connect(srv.trace_dir)
-    ((extra,),) = store.sql("SELECT extra_json FROM requests WHERE request_id = ?", params=[request_id]).fetchall()
-    return load_trace(srv.trace_dir, request_id), json.loads(extra)["vllm"]["moe"]
+    deadline = time.monotonic() + 60
+    while not (rows := connect(srv.trace_dir).sql("SELECT extra_json FROM requests WHERE request_id = ?",
+                                                  params=[request_id]).fetchall()):
+        assert time.monotonic() < deadline, f"{request_id} not stored:\n{srv.log_tail()}"
+        time.sleep(0.5)
+    return load_trace(srv.trace_dir, request_id), json.loads(rows[0][0])["vllm"]["moe"]
 
 
 def _reference(token_ids: list[int]) -> np.ndarray:
