@@ -6,13 +6,12 @@ is plain JSON. Axes longer than :data:`MAX_AXIS` are aggregated when drawn, and 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 
 from sparseety.errors import ConfigError
-from sparseety.report.routing_window import important_routing, moe_load, window_frees
+from sparseety.report.routing_window import important_routing, moe_load, router_layers, window_frees
 from sparseety.report.timeline import EvictionTimeline, build_timeline
 from sparseety.store import StoredTrace
 
@@ -33,7 +32,7 @@ def layer_count(trace: StoredTrace) -> int:
     for prefix in ("evicted", "attended", "skipped", "pruned", "window"):
         if len(arrays.get(f"{prefix}.layer", ())):
             candidates.append(int(np.max(arrays[f"{prefix}.layer"])) + 1)
-    candidates += [int(name.split(".", 1)[1]) + 1 for name in arrays if re.fullmatch(r"router\.\d+", name)]
+    candidates += [layer + 1 for layer in router_layers(arrays)]
     return max(candidates)
 
 
