@@ -49,8 +49,10 @@ def test_h2o_accumulates_attention_over_steps():
     policy = build_policy("h2o", 3, {"recent_ratio": 0.34})  # recent window 1
     state = torch.tensor([[[0.5, 0.4, 0.3, 0.0]]])  # slot 3 is new
     attention = torch.tensor([[[0.0, 0.05, 0.3, 0.65]]])
+    before = state.clone()
     scores, new_state = policy.score(observation(4, attention=attention, state=state, step=1))
-    assert torch.allclose(new_state, state + attention)
+    assert torch.allclose(new_state, before + attention)
+    assert new_state.data_ptr() == state.data_ptr()  # accumulated in place: no copy per decode step
     # accumulated: 0.5, 0.45, 0.6, newest protected -> the middle heavy-hitter of this step overtakes slot 1
     assert select_keep(scores, 3)[0].tolist() == [[0, 2, 3]]
 

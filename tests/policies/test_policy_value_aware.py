@@ -97,8 +97,9 @@ def test_h2o_accumulates_plain_attention_and_weights_it_by_the_value_norm():
     state = torch.tensor([[[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0, 0.0]]])
     attention = torch.tensor([[[0.0, 0.0, 0.1, 0.2, 0.0, 0.1, 0.3, 0.3]]])
     policy = build_policy("h2o", 6, {"recent_ratio": 0.34, "value_aware": "true"})  # recent window 2
+    before = state.clone()
     scores, new_state = policy.score(observation(attention, values, state))
-    assert torch.equal(new_state, state + attention)  # the accumulator stays plain attention
+    assert torch.equal(new_state, before + attention)  # the accumulator stays plain attention
     inf = float("inf")
     expected = torch.tensor([[[inf, inf, inf, inf, 0.5 * 1.0, 0.7 * 6.0, inf, inf]]])  # 4 sinks, 2 recent
     assert torch.allclose(scores, expected)

@@ -75,7 +75,7 @@ def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: t
     """
     b, h, _, d = query.shape
     kvh, n = key.shape[1], key.shape[2]
-    logits = torch.matmul(query.reshape(b, kvh, h // kvh, d), key.transpose(-1, -2)) * scaling
+    logits = torch.matmul(query.reshape(b, kvh, h // kvh, d), key.transpose(-1, -2)).mul_(scaling)
     if hidden is not None:  # [b, 1 or kvh, 1, n]
         logits = logits.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [b, kvh, g, n]

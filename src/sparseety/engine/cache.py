@@ -83,7 +83,9 @@ class SparseLayer(SlotBuffers):
         if self._state is None:
             assert self._pos is not None
             self._state = torch.zeros(self._pos.shape, dtype=value.dtype, device=value.device)
-        self._state.narrow(2, 0, self._slots).copy_(value)
+        live = self._state.narrow(2, 0, self._slots)
+        if value.data_ptr() != live.data_ptr() or value.stride() != live.stride() or value.shape != live.shape:
+            live.copy_(value)  # (a policy that accumulated in place returned the live view itself)
 
     def expect(self, positions: torch.Tensor, fed: int) -> None:
         """Announce that the next :meth:`update` carries only the rows at ``positions`` ``[q]`` (ascending)

@@ -307,6 +307,7 @@ class RunContext:
             queries=seen.queries, values=seen.values, rotary=seen.rotary,
             token_ids=self.tokens.slot_ids(positions) if settings.policy.needs_token_ids else None,
             hidden=seen.hidden, owners=None if cache_layer.regions is None else cache_layer.regions.owner,
+            newest=cache_layer.seen - 1,
         )
         scores, cache_layer.state = settings.policy.score(obs)
         return scores

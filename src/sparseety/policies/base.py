@@ -80,6 +80,7 @@ class Observation:
         every head's slots in one row, so ``positions`` is ``[b, 1, n]`` and free slots hold position -1):
         the KV head each slot belongs to (heads' slots lie together, in head order, and a head's slots of the
         ``r`` newest positions are its last ``r`` live ones); None otherwise.
+    newest : the newest position fed (every head holds it), or None: read from ``positions``.
     """
 
     layer: int
@@ -97,6 +98,7 @@ class Observation:
     token_ids: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     owners: torch.Tensor | None = None
+    newest: int | None = None
 
 
 @dataclass(frozen=True)
@@ -285,18 +287,27 @@ def share_heads(scores: dict[int, torch.Tensor], budgets: dict[int, int], across
     return {layer: counts for group in groups for layer, counts in head_counts(scores, budgets, group).items()}
 
 
-def recent_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """``[b, kv_heads, n]`` bool: the slots among the ``window`` most recent positions of each head."""
+def recent_mask(positions: torch.Tensor, window: int, newest: int | None = None) -> torch.Tensor:
+    """``[b, kv_heads, n]`` bool: the slots among the ``window`` most recent positions of each head (``newest``:
+    the newest position, held by every head, when the caller knows it; else each head's largest)."""
     if window <= 0:
         return torch.zeros_like(positions, dtype=torch.bool)
-    newest = positions.amax(dim=-1, keepdim=True)
-    return positions > newest - window
+    if newest is not None:
+        return positions > newest - window
+    return positions > positions.amax(dim=-1, keepdim=True) - window
 
 
 def accumulated(obs: Observation) -> torch.Tensor:
-    """``[b, kv_heads, n]`` this step's attention added to the slot accumulator (H2O-style)."""
+    """``[b, kv_heads, n]`` this step's attention added to the slot accumulator (H2O-style).
+
+    The accumulator ``obs.state`` is updated in place (the engine stores what :meth:`Policy.score` returns
+    as the new state, so no copy is made each decode step)."""
     assert obs.attention is not None
-    return obs.attention if obs.state is None else obs.state + obs.attention
+    if obs.state is None:
+        return obs.attention
+    if obs.state.shape == obs.attention.shape and obs.state.dtype == obs.attention.dtype:
+        return obs.state.add_(obs.attention)
+    return obs.state + obs.attention
 
 
 def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

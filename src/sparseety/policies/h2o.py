@@ -61,4 +61,4 @@ class H2OPolicy(Policy):
         state = accumulated(obs)
         window = int((self.budget or 0) * self.recent_ratio)
         scores = value_weighted(state, obs) if self.value_aware else state
-        return protect(scores, recent_mask(obs.positions, window)), state
+        return protect(scores, recent_mask(obs.positions, window, obs.newest)), state

@@ -77,4 +77,4 @@ class SnapKVPolicy(Policy):
             state = accumulated(obs)
         budget = self.layer_budget(obs.layer, obs.num_layers) or 0  # the compressing regime's budget
         scores = value_weighted(state, obs) if self.value_aware else state
-        return protect(scores, recent_mask(obs.positions, min(self.window, budget))), state
+        return protect(scores, recent_mask(obs.positions, min(self.window, budget), obs.newest)), state
