@@ -31,6 +31,7 @@ from sparseety.engine.prune import PruneRun
 from sparseety.engine.reconstruction_state import ReconstructionState
 from sparseety.engine.settings import RunSettings
 from sparseety.engine.signals import LayerPlan, LayerSignals, group_mean
+from sparseety.engine.stacked import StackedSlots
 from sparseety.engine.timings import Timings
 from sparseety.engine.tokens import TokenRecord
 from sparseety.engine.window import window_edge
@@ -107,6 +108,7 @@ class RunContext:
     allocated_budgets: dict[int, int] = field(default_factory=dict)  #: per layer, budgets the policy allocated
     failure: BaseException | None = None  #: this sequence failed inside a packed forward; it leaves the batch alone
     _rotary: dict[int, torch.Tensor | None] = field(default_factory=dict)  #: per layer, RoPE inverse frequencies
+    stack: StackedSlots | None = None  #: the layers' slots stacked for one-slot decode evictions (:mod:`.stacked`)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -122,7 +124,7 @@ class RunContext:
         """Called before every model forward with the number of new tokens (and their ids ``[b, q]``)."""
         now = self.forward
         if self.reconstruction.chunk is not None:  # kvzip's pass: no step, no token, nothing recorded
-            now.plan = now.recording_plan = _RECONSTRUCTION_PLAN
+            now.plan, now.recording_plan, now.stacked = _RECONSTRUCTION_PLAN, _RECONSTRUCTION_PLAN, False
             self.timings.start()
             return
         settings, seen = self.settings, self.cache.layers[0].seen
@@ -139,6 +141,7 @@ class RunContext:
             self.tokens.feed(seen, q_len, input_ids)
         if settings.tier >= 3 and not now.partial_prefill:
             self.importance.new_step(seen + q_len)
+        now.stacked = stacked_step(self, q_len)
         self.timings.start()
 
     @property
@@ -153,6 +156,8 @@ class RunContext:
 
     def end_forward(self) -> None:
         """Called after every model forward."""
+        if self.forward.stacked and self.stack is not None:  # every layer's one-slot eviction of this step
+            self.stack.evict(self.settings.policy, self.forward.step, self.settings.seed, self.cache.layers[0].seen)
         elapsed = self.timings.elapsed()
         if self.reconstruction.chunk is not None:
             self.timings.add(elapsed, prefill=True)  # kvzip's extra prefill cost
@@ -208,8 +213,8 @@ class RunContext:
 
     def will_evict(self, layer: int, n: int) -> bool:
         """True when layer ``layer`` holding ``n`` slots evicts after this step's attention."""
-        if not self.forward.evicting:
-            return False
+        if not self.forward.evicting or self.forward.stacked:  # a stacked step: every layer holds budget + 1
+            return self.forward.evicting
         budget = self.layer_budget(layer)
         return budget is not None and n > budget
 
@@ -219,21 +224,12 @@ class RunContext:
             self.reconstruction.take(layer, seen.reconstruction)
             self.cache.layers[layer].truncate(len(self.reconstruction.chunk.ids))
             return
+        if self.forward.stacked and self.stack is not None:  # evicted with every layer at the forward's end
+            self.stack.take(layer, seen.last_row)
+            return
         self._observe(layer, key, seen)
         if self.cache.layers[layer].window is not None:
-            self._slide(layer)
-
-    def _slide(self, layer: int) -> None:
-        """Record the newest row's window edge (step, layer) and free what no later query can see."""
-        cache_layer = self.cache.layers[layer]
-        assert cache_layer.window is not None
-        edge = window_edge(cache_layer.seen - 1, cache_layer.window)
-        tier = self.settings.tier
-        if self.forward.emits and edge > 0 and tier >= 1:
-            self.skipped_count += edge * self.settings.kv_heads
-            if tier >= 2:
-                self.window_edges.add(self.forward.step, layer, torch.tensor([[edge]]), None)
-        cache_layer.expire()
+            slide(self, layer)
 
     def _observe(self, layer: int, key: torch.Tensor, seen: LayerSignals) -> None:
         now, settings = self.forward, self.settings
@@ -365,6 +361,36 @@ class RunContext:
 
 #: every layer's plan in a reconstruction forward: the hook point computes the output only
 _RECONSTRUCTION_PLAN = LayerPlan(last_row=False, window_rows=0, colsum_stride=0, topk=None)
+
+
+def slide(ctx: RunContext, layer: int) -> None:
+    """A sliding layer ``layer`` of ``ctx``: record the newest row's window edge (step, layer) and free what no
+    later query can see."""
+    cache_layer = ctx.cache.layers[layer]
+    assert cache_layer.window is not None
+    edge = window_edge(cache_layer.seen - 1, cache_layer.window)
+    tier = ctx.settings.tier
+    if ctx.forward.emits and edge > 0 and tier >= 1:
+        ctx.skipped_count += edge * ctx.settings.kv_heads
+        if tier >= 2:
+            ctx.window_edges.add(ctx.forward.step, layer, torch.tensor([[edge]]), None)
+    cache_layer.expire()
+
+
+def stacked_step(ctx: RunContext, q_len: int) -> bool:
+    """True when the forward ``ctx`` begins, feeding ``q_len`` tokens, is a decode step whose one-slot evictions run
+    once for every layer at its end (:class:`StackedSlots`, made here when every layer first holds its budget):
+    one token, nothing recorded, no drafts, a policy that scores layers stacked, every layer at one budget."""
+    now, settings = ctx.forward, ctx.settings
+    if not now.evicting or now.prompt or q_len != 1 or now.drafts or settings.tier or ctx.prune is not None \
+            or settings.attention_topk is not None or ctx.allocated_budgets or not settings.policy.stacks_decode():
+        return False
+    budget = ctx.layer_budget(0)
+    if budget is None:
+        return False
+    if ctx.stack is None or not ctx.stack.holds(budget):
+        ctx.stack = StackedSlots.adopt(ctx.cache.layers, budget)
+    return ctx.stack is not None
 
 
 def eviction_order(scores: torch.Tensor, cache_layer: SparseLayer, drafts: int) -> torch.Tensor:

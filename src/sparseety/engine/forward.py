@@ -33,6 +33,7 @@ class ForwardState:
     carrying: bool = False  #: an earlier prefill chunk: the policy's signals are kept for the completing chunk
     emits: bool = False  #: its newest row produces an output token
     rows: tuple[int, int] = (0, 0)  #: (first row of this forward, rows of the region it belongs to)
+    stacked: bool = False  #: every layer's one-slot eviction runs at its end, at once (:mod:`.stacked`)
     reconstruct_after: bool = False  #: it completes a region a reconstructing policy (kvzip) scores after it
     plan: LayerPlan | None = None  #: what every layer computes (made by the first layer)
     recording_plan: LayerPlan | None = None  #: the same plus the newest row, for layers recording importance

@@ -227,6 +227,14 @@ class Policy:
         (all below ``seen``) alone, the policy's state untouched; None (the default): the engine scores and selects."""
         return None
 
+    def stacks_decode(self) -> bool:
+        """True when a decode step may score every layer at once: one :class:`Observation` whose batch axis holds
+        the layers (``positions``, ``state``, ``attention``, ``keys``, ``values`` ``[layers, kv_heads, n, ...]``,
+        ``layer`` 0, ``newest`` given), which requires that a slot's score depend only on its own layer's
+        tensors (never on ``layer``, queries, hidden states or token ids), that :meth:`evict_one` work on such
+        positions, that :meth:`keep_count` be None and that every layer have the same budget. False by default."""
+        return False
+
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Score every slot of one layer.
 

@@ -57,6 +57,9 @@ class H2OPolicy(Policy):
     def colsum_stride(self, q_len: int) -> int:
         return 1 if self.prefill_rows == 0 else max(1, -(-q_len // self.prefill_rows))
 
+    def stacks_decode(self) -> bool:
+        return not self.value_aware  # VATP reads each layer's values
+
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = accumulated(obs)
         window = int((self.budget or 0) * self.recent_ratio)

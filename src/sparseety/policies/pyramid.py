@@ -26,6 +26,9 @@ class PyramidPolicy(SnapKVPolicy):
         super().__post_init__()
         check_positive_int(self.name, "beta", self.beta)
 
+    def stacks_decode(self) -> bool:
+        return False  # every layer has its own budget
+
     def layer_budget(self, layer: int, num_layers: int, seen: int | None = None) -> int | None:
         if self.budget is None or (seen is not None and seen <= self.budget):
             return None

@@ -69,6 +69,9 @@ class SnapKVPolicy(Policy):
     def window_rows(self) -> int:
         return self.window
 
+    def stacks_decode(self) -> bool:
+        return not self.value_aware  # VATP reads each layer's values
+
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert obs.attention is not None
         if obs.attention.dim() == 4:

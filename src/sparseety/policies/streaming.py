@@ -34,6 +34,9 @@ class StreamingPolicy(Policy):
         positions = obs.positions
         return protect(positions.to(torch.float32), positions < self.sinks), None
 
+    def stacks_decode(self) -> bool:
+        return True
+
     def evict_one(self, positions: torch.Tensor, seen: int) -> torch.Tensor | None:
         """The oldest slot past the sinks (positions are distinct per head, and exact as float32 scores below 2**24)."""
         if seen > 2**24:

@@ -39,6 +39,9 @@ class TOVAPolicy(Policy):
             raise ConfigError(f"tova: heads must be one of {', '.join(HEAD_MODES)}, got {self.heads!r}")
         check_value_aware(self.name, self.value_aware)
 
+    def stacks_decode(self) -> bool:
+        return not self.value_aware  # VATP reads each layer's values
+
     def score(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[b, kv_heads, n]`` attention of the current query (slots of every KV head are aligned in
         ``layer`` mode, since every head has kept the same positions)."""
