@@ -79,6 +79,7 @@ SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 CORE = "vllm.v1.core"
 COORD = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 SOUT = "vllm.v1.core.sched.output:SchedulerOutput"
+FULL = "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager"
 REQ = "vllm.v1.request:Request"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 MOE_ROUTER = "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter"
@@ -192,6 +193,40 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("recomputed-tokens", f"{STATS}:PrefixCacheStats", "preempted_queries", "preempted_hits"),
     *_attrs("kv-events", f"{CONFIG}:VllmConfig", "kv_events_config"),
     *_attrs("kv-events", f"{CONFIG}:KVEventsConfig", "enable_kv_cache_events", "publisher", "endpoint"),
+    Need("kv-eviction", SCHED, "__init__", ("vllm_config", "kv_cache_config"), prefix=True),
+    Need("kv-eviction", SCHED, "schedule", (), prefix=True),
+    Need("kv-eviction", SCHED, "add_request", ("request",)),
+    Need("kv-eviction", SCHED, "_free_request_blocks", ("request",), concrete=True),
+    *_attrs("kv-eviction", SCHED, "running", "kv_cache_manager", "kv_cache_config", "vllm_config"),
+    Need("kv-eviction", FULL, "get_num_blocks_to_allocate", ("request_id", "num_tokens"), prefix=True),
+    Need("kv-eviction", FULL, "allocate_new_blocks", ("request_id", "num_tokens"), prefix=True),
+    Need("kv-eviction", COORD, "cache_blocks", ("request", "num_computed_tokens")),
+    *_attrs("kv-eviction", "vllm.v1.core.kv_cache_manager:KVCacheManager", "coordinator"),
+    *_attrs("kv-eviction", COORD, "single_type_managers"),
+    *_attrs("kv-eviction", f"{CORE}.single_type_kv_cache_manager:SingleTypeKVCacheManager", "req_to_blocks",
+            "block_pool", "block_size"),
+    Need("kv-eviction", "vllm.v1.core.block_pool:BlockPool", "free_blocks", ("ordered_blocks",)),
+    *_attrs("kv-eviction", REQ, "request_id", "num_computed_tokens", "num_prompt_tokens",
+            "skip_reading_prefix_cache", "is_finished"),
+    *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups"),
+    *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
+    *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:FullAttentionSpec", "block_size"),
+    *_attrs("kv-eviction", f"{CONFIG}:VllmConfig", "speculative_config", "scheduler_config", "parallel_config"),
+    *_attrs("kv-eviction", f"{CONFIG}:SchedulerConfig", "async_scheduling"),
+    *_attrs("kv-eviction", SOUT, "num_scheduled_tokens", "finished_req_ids"),
+    Need("kv-eviction-worker", RUNNER, "_update_states", ("scheduler_output",)),
+    Need("kv-eviction-worker", RUNNER, "_prepare_inputs", ("scheduler_output", "num_scheduled_tokens")),
+    *_attrs("kv-eviction-worker", RUNNER, "requests", "input_batch", "seq_lens", "optimistic_seq_lens_cpu",
+            "positions", "query_start_loc", "kv_cache_config", "compilation_config"),
+    *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:InputBatch", "req_id_to_index", "block_table"),
+    *_attrs("kv-eviction-worker", "vllm.v1.worker.block_table:MultiGroupBlockTable", "block_tables"),
+    *_attrs("kv-eviction-worker", "vllm.v1.worker.block_table:BlockTable", "block_table", "num_blocks_per_row",
+            "slot_mapping", "block_size"),
+    *_attrs("kv-eviction-worker", "vllm.v1.utils:CpuGpuBuffer", "np", "gpu"),
+    *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:CachedRequestState", "block_ids"),
+    *_attrs("kv-eviction-worker", f"{CONFIG}:CompilationConfig", "static_forward_context"),
+    *_attrs("kv-eviction-worker", "vllm.model_executor.layers.attention.attention:Attention", "kv_cache", "impl"),
+    *_attrs("kv-eviction-worker", "vllm._custom_ops", "cpu_attn_reshape_and_cache"),
 )
 
 IMPL_NEEDS: tuple[Need, ...] = (
@@ -229,6 +264,9 @@ HOOKS: dict[str, tuple[str, str]] = {
                        "engine index"),
     "recomputed-tokens": ("API server", "no `sparseety:preempted_recomputed_tokens`"),
     "kv-events": ("API server", "no prefix-cache blocks (`SPARSEETY_KV_EVENTS=ENDPOINT` still subscribes)"),
+    "kv-eviction": ("engine core", "`SPARSEETY_KV_POLICY` is not applied: every request runs dense, with one "
+                    "warning; goes with `kv-eviction-worker`"),
+    "kv-eviction-worker": ("worker", "as `kv-eviction`"),
 }
 
 
@@ -765,3 +803,114 @@ def model_split() -> str | None:
         return None  # no parallel state (one process): not split
     parts = [f"{tp} tensor-parallel ranks" if tp > 1 else "", f"{pp} pipeline stages" if pp > 1 else ""]
     return " and ".join(p for p in parts if p) or None
+
+
+# -- engine core and worker: eviction inside the paged KV cache (:mod:`.eviction_hooks`) ---------------------
+def eviction_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """Why this vLLM setup cannot evict inside its KV cache (None when it can): every KV-cache group must be
+    full attention, with no speculative decoding, async scheduling or pipeline parallelism."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding is on (drafts would be written past the kept tokens)"
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return "async scheduling is on (a block freed at a step may be written before the worker reads it)"
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
+        return "pipeline parallelism is on"
+    for group in kv_cache_config.kv_cache_groups:
+        if type(group.kv_cache_spec) is not FullAttentionSpec:
+            return (f"KV-cache group of {group.layer_names[0]} is {type(group.kv_cache_spec).__name__}, not full "
+                    "attention (windowed and hybrid models are not supported yet)")
+    return None
+
+
+def running_requests(scheduler: Any) -> list[tuple[str, int, int]]:
+    """``(request id, computed tokens, prompt tokens)`` of each running request."""
+    return [(r.request_id, r.num_computed_tokens, r.num_prompt_tokens) for r in scheduler.running]
+
+
+def skip_prefix_cache(request: Any) -> tuple[str, int]:
+    """Keep ``request`` off the prefix cache (its blocks will be compacted); its id and prompt length."""
+    request.skip_reading_prefix_cache = True
+    return request.request_id, request.num_prompt_tokens
+
+
+def request_finished(request: Any) -> tuple[str, bool]:
+    return request.request_id, bool(request.is_finished())
+
+
+def shrink_blocks(scheduler: Any, request_id: str, tokens: int) -> int:
+    """Give back to vLLM's pool the blocks of ``request_id`` past its first ``tokens`` tokens, in every
+    KV-cache group; the number of blocks freed."""
+    freed = 0
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(request_id)
+        if not blocks:
+            continue
+        keep = -(-tokens // manager.block_size)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        manager.block_pool.free_blocks(reversed(tail))
+        freed += len(tail)
+    return freed
+
+
+def request_blocks(runner: Any, req_id: str) -> list[list[int]] | None:
+    """The worker's block ids of ``req_id`` per KV-cache group (the lists themselves, to truncate)."""
+    state = runner.requests.get(req_id)
+    return None if state is None else list(state.block_ids)
+
+
+def truncate_row(runner: Any, req_id: str, group: int, blocks: int) -> None:
+    """Make the input batch's block-table row of ``req_id`` in ``group`` hold its first ``blocks`` blocks."""
+    row = runner.input_batch.req_id_to_index.get(req_id)
+    if row is not None:
+        runner.input_batch.block_table.block_tables[group].num_blocks_per_row[row] = blocks
+
+
+def group_caches(runner: Any) -> list[tuple[list[Any], int, Any]]:
+    """Per KV-cache group: the layers' cache tensors, the block size and the first layer (for its kernel)."""
+    context = runner.compilation_config.static_forward_context
+    groups = []
+    for group in runner.kv_cache_config.kv_cache_groups:
+        layers = [context[name] for name in group.layer_names if name in context]
+        groups.append(([layer.kv_cache for layer in layers], group.kv_cache_spec.block_size,
+                       layers[0] if layers else None))
+    return groups
+
+
+def cache_writer(layer: Any) -> Any:
+    """The CPU kernel's cache writer for ``layer`` (``key, value, key_cache, value_cache, slots``), or None
+    on another attention backend."""
+    from vllm import _custom_ops
+
+    if type(layer.impl).__name__ != "CPUAttentionBackendImpl" or not hasattr(layer, "isa"):
+        return None
+    isa = layer.isa
+
+    def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        _custom_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    return write
+
+
+def shift_inputs(runner: Any, offsets: dict[str, int]) -> None:
+    """After ``_prepare_inputs``: rows of requests holding ``offset`` fewer tokens than they computed attend
+    over their kept tokens (``seq_lens``) and write new ones after them (slot mapping); positions (RoPE)
+    stay logical."""
+    import torch
+
+    batch = runner.input_batch
+    starts = runner.query_start_loc.np
+    tables = batch.block_table.block_tables
+    for req_id, offset in offsets.items():
+        row = batch.req_id_to_index.get(req_id)
+        if row is None or offset == 0:
+            continue
+        runner.seq_lens[row] -= offset
+        runner.optimistic_seq_lens_cpu[row] -= offset
+        a, b = int(starts[row]), int(starts[row + 1])
+        slots = runner.positions[a:b] - offset
+        for table in tables:
+            size = table.block_size
+            ids = table.block_table.gpu[row].to(torch.int64)
+            table.slot_mapping.gpu[a:b] = ids[slots // size] * size + slots % size

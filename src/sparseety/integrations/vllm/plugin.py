@@ -40,7 +40,7 @@ import logging
 import os
 from typing import Any
 
-from sparseety.integrations.vllm import adapter
+from sparseety.integrations.vllm import adapter, eviction_hooks
 from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_channel
 from sparseety.integrations.vllm.hooks import guarded
 from sparseety.integrations.vllm.window_frees import WindowFrees
@@ -75,6 +75,7 @@ def register() -> None:
         if on["finished-requests"]:
             _patch_finished(output_processor)
         _patch_attention(loud)
+        eviction_hooks.install(loud)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
 
