@@ -3,7 +3,8 @@
 Unset ``SPARSEETY_KV_POLICY`` (or ``dense``) means vLLM runs exactly as without SparSEEty. A set but bad value
 is a :class:`~sparseety.errors.ConfigError` naming the variable: vLLM's engine core refuses to start with it
 (a silent dense run would look like a working eviction). Options are checked by the own engine's policy
-registry, so ``SPARSEETY_KV_POLICY_OPTS='sinks=8'`` means what ``--policy-opt sinks=8`` means.
+registry, so ``SPARSEETY_KV_POLICY_OPTS='sinks=8'`` means what ``--policy-opt sinks=8`` means. The registry
+(and torch) is imported only when eviction is asked for: the observer's import path stays torch-free.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.policies.registry import build_policy, parse_policy_opts, resolve_budget
 
 #: policies that run inside vLLM today, and why the others do not yet
 IN_VLLM = ("streaming",)
@@ -36,6 +36,8 @@ class EvictionSettings:
 
     def budget_for(self, prompt_tokens: int) -> int:
         """Tokens per layer kept for a request with ``prompt_tokens`` prompt tokens."""
+        from sparseety.policies.registry import resolve_budget
+
         resolved = resolve_budget(self.budget, self.ratio, prompt_tokens)
         assert resolved is not None
         return resolved
@@ -43,6 +45,8 @@ class EvictionSettings:
     @property
     def sinks(self) -> int:
         """The first positions ``streaming`` never evicts."""
+        from sparseety.policies.registry import build_policy
+
         return int(build_policy(self.policy, self.budget or 1_000_000, self.options).sinks)  # type: ignore[attr-defined]
 
 
@@ -66,6 +70,8 @@ def parse_eviction(env: Mapping[str, str] | None = None) -> EvictionSettings | N
     policy = (env.get("SPARSEETY_KV_POLICY") or "").strip()
     if policy in ("", "dense"):
         return None
+    from sparseety.policies.registry import build_policy, resolve_budget
+
     if policy not in IN_VLLM:
         raise ConfigError(f"SPARSEETY_KV_POLICY={policy!r} cannot run inside vLLM; allowed: dense, "
                           f"{', '.join(IN_VLLM)} ({NOT_YET})")
@@ -104,4 +110,6 @@ def _options(raw: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise ConfigError("SPARSEETY_KV_POLICY_OPTS must be a JSON object or key=value pairs")
         return value
+    from sparseety.policies.registry import parse_policy_opts
+
     return dict(parse_policy_opts(raw.replace(",", " ").split(), flag="SPARSEETY_KV_POLICY_OPTS"))
