@@ -80,6 +80,7 @@ CORE = "vllm.v1.core"
 COORD = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 SOUT = "vllm.v1.core.sched.output:SchedulerOutput"
 FULL = "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager"
+STM = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager"
 REQ = "vllm.v1.request:Request"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 MOE_ROUTER = "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter"
@@ -193,13 +194,13 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("recomputed-tokens", f"{STATS}:PrefixCacheStats", "preempted_queries", "preempted_hits"),
     *_attrs("kv-events", f"{CONFIG}:VllmConfig", "kv_events_config"),
     *_attrs("kv-events", f"{CONFIG}:KVEventsConfig", "enable_kv_cache_events", "publisher", "endpoint"),
-    Need("kv-eviction", SCHED, "__init__", ("vllm_config", "kv_cache_config"), prefix=True),
-    Need("kv-eviction", SCHED, "schedule", (), prefix=True),
-    Need("kv-eviction", SCHED, "add_request", ("request",)),
+    Need("kv-eviction", SCHED, "__init__", ("vllm_config", "kv_cache_config"), prefix=True, concrete=True),
+    Need("kv-eviction", SCHED, "schedule", (), prefix=True, concrete=True),
+    Need("kv-eviction", SCHED, "add_request", ("request",), concrete=True),
     Need("kv-eviction", SCHED, "_free_request_blocks", ("request",), concrete=True),
     *_attrs("kv-eviction", SCHED, "running", "kv_cache_manager", "kv_cache_config", "vllm_config"),
-    Need("kv-eviction", FULL, "get_num_blocks_to_allocate", ("request_id", "num_tokens"), prefix=True),
-    Need("kv-eviction", FULL, "allocate_new_blocks", ("request_id", "num_tokens"), prefix=True),
+    Need("kv-eviction", STM, "get_num_blocks_to_allocate", ("request_id", "num_tokens"), prefix=True),
+    Need("kv-eviction", STM, "allocate_new_blocks", ("request_id", "num_tokens"), prefix=True),
     Need("kv-eviction", COORD, "cache_blocks", ("request", "num_computed_tokens")),
     *_attrs("kv-eviction", "vllm.v1.core.kv_cache_manager:KVCacheManager", "coordinator"),
     *_attrs("kv-eviction", COORD, "single_type_managers"),
@@ -210,7 +211,7 @@ NEEDS: tuple[Need, ...] = (
             "skip_reading_prefix_cache", "is_finished"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
-    *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:FullAttentionSpec", "block_size"),
+    *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheSpec", "block_size"),
     *_attrs("kv-eviction", f"{CONFIG}:VllmConfig", "speculative_config", "scheduler_config", "parallel_config"),
     *_attrs("kv-eviction", f"{CONFIG}:SchedulerConfig", "async_scheduling"),
     *_attrs("kv-eviction", SOUT, "num_scheduled_tokens", "finished_req_ids"),
@@ -225,7 +226,8 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("kv-eviction-worker", "vllm.v1.utils:CpuGpuBuffer", "np", "gpu"),
     *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:CachedRequestState", "block_ids"),
     *_attrs("kv-eviction-worker", f"{CONFIG}:CompilationConfig", "static_forward_context"),
-    *_attrs("kv-eviction-worker", "vllm.model_executor.layers.attention.attention:Attention", "kv_cache", "impl"),
+    *_attrs("kv-eviction-worker", "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase", "kv_cache",
+            "impl"),
     *_attrs("kv-eviction-worker", "vllm._custom_ops", "cpu_attn_reshape_and_cache"),
 )
 
