@@ -108,9 +108,10 @@ def test_compaction_keeps_exactly_the_kept_tokens_in_place():
     for kv in kvs:
         kernel_write(keys, values, *split(kv), slots)
     keep = torch.tensor([0, 1, 12, 13, 14, 15, 16, 17, 18, 19])
-    positions = kept_positions(torch.arange(n), keep)
+    moves = fill_holes(keep, keep.numel())
+    positions = kept_positions(torch.arange(n), moves, keep.numel())
     assert sorted(positions.tolist()) == keep.tolist()
-    compact(kvs, blocks, keep, layout)
+    compact(kvs, blocks, moves, layout)
     expected = torch.zeros(6, H, BS, 2 * D)
     kernel_write(keys[positions], values[positions], *split(expected), slots[: keep.numel()])
     for kv in kvs:  # the first 10 slots: block 3 whole, block 0's first two

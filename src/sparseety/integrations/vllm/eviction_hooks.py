@@ -75,13 +75,17 @@ class WorkerEviction:
         self.positions: dict[str, Any] = {}  #: rid -> [held] logical position of each physical slot
         self.layouts: dict[int, Any] = {}
         self.offsets: dict[str, int] = {}
+        self.groups: list[tuple[list[Any], int, Any]] | None = None  #: the layers' caches, read once
 
     def keep(self, positions: Any, kept: int) -> Any:
-        """``streaming``: the sinks and the newest positions (the own engine's kept set) -> slots [kept]."""
+        """``streaming``: the sinks and the newest positions, scored and selected as the own engine's
+        :class:`~sparseety.policies.streaming.StreamingPolicy` does -> slots [kept], ascending."""
         import torch
 
-        score = positions.to(torch.float64).masked_fill(positions < self.sinks, float("inf"))
-        return score.topk(kept).indices
+        from sparseety.policies.base import protect, select_keep
+
+        scores = protect(positions.to(torch.float32), positions < self.sinks)
+        return select_keep(scores[None, None], kept, positions[None, None])[0, 0]
 
     def layout(self, group: int, caches: list[Any], block_size: int, layer: Any) -> Any:
         from sparseety.integrations.vllm.kv_compaction import probe_layout
@@ -98,7 +102,7 @@ class WorkerEviction:
     def carry_out(self, runner: Any, order: Compaction) -> None:
         import torch
 
-        from sparseety.integrations.vllm.kv_compaction import compact, kept_positions
+        from sparseety.integrations.vllm.kv_compaction import compact, fill_holes, kept_positions
 
         held = self.positions.get(order.rid)
         if held is None or order.logical == order.physical:
@@ -106,18 +110,20 @@ class WorkerEviction:
         else:
             fresh = order.physical - held.numel()
             held = torch.cat([held, torch.arange(order.logical - fresh, order.logical)])
-        keep = self.keep(held, order.kept)
+        moves = fill_holes(self.keep(held, order.kept), order.kept)
         block_lists = adapter.request_blocks(runner, order.rid)
         if block_lists is None:
             return
-        for group, (caches, block_size, layer) in enumerate(adapter.group_caches(runner)):
+        if self.groups is None:
+            self.groups = adapter.group_caches(runner)
+        for group, (caches, block_size, layer) in enumerate(self.groups):
             blocks = block_lists[group]
             layout = self.layout(group, caches, block_size, layer)
-            compact(caches, torch.tensor(blocks, dtype=torch.int64), keep, layout)
+            compact(caches, torch.tensor(blocks, dtype=torch.int64), moves, layout)
             kept_blocks = -(-order.kept // block_size)
             del blocks[kept_blocks:]
             adapter.truncate_row(runner, order.rid, group, kept_blocks)
-        self.positions[order.rid] = kept_positions(held, keep)
+        self.positions[order.rid] = kept_positions(held, moves, order.kept)
 
     def before_update(self, runner: Any, message: dict[str, Any] | None, finished: Any) -> None:
         for rid in finished:

@@ -96,17 +96,18 @@ def move_slots(kv: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor, dst
     flat[block_ids[dst // size][None, :, None], head, index[dst % size][None]] = values
 
 
-def compact(kvs: list[torch.Tensor], block_ids: torch.Tensor, keep: torch.Tensor, layout: BlockLayout) -> None:
-    """Keep slots ``keep`` [kept] of one request in every layer's cache of ``kvs`` (one KV-cache group,
-    one block table ``block_ids``): afterwards they are slots ``0..kept-1``."""
-    src, dst = fill_holes(keep, keep.numel())
+def compact(kvs: list[torch.Tensor], block_ids: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor],
+            layout: BlockLayout) -> None:
+    """Carry out ``moves`` (:func:`fill_holes`) for one request in every layer's cache of ``kvs`` (one KV-cache
+    group, one block table ``block_ids``): afterwards its kept slots are slots ``0..kept-1``."""
+    src, dst = moves
     for kv in kvs:
         move_slots(kv, block_ids, src, dst, layout)
 
 
-def kept_positions(positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def kept_positions(positions: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor], kept: int) -> torch.Tensor:
     """The slot-to-position map [kept] after :func:`compact` of a request whose map was ``positions`` [n]."""
-    src, dst = fill_holes(keep, keep.numel())
-    out = positions[: keep.numel()].clone()
+    src, dst = moves
+    out = positions[:kept].clone()
     out[dst] = positions[src]
     return out
