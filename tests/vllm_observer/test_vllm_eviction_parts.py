@@ -9,23 +9,64 @@ import torch
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.eviction_ledger import EvictionLedger
 from sparseety.integrations.vllm.eviction_settings import parse_eviction
-from sparseety.integrations.vllm.kv_compaction import compact, fill_holes, kept_positions, probe_layout, split
+from sparseety.integrations.vllm.kv_compaction import (
+    compact,
+    fill_holes,
+    kept_positions,
+    probe_layout,
+    read_slots,
+    split,
+)
 
 
-def test_unset_or_dense_is_no_eviction():
+def test_unset_is_no_eviction_and_dense_evicts_only_what_a_request_asks():
     assert parse_eviction({}) is None
-    assert parse_eviction({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": "x"}) is None
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": "x"})
+    assert s is not None and s.for_request({}, 300) is None
+    asked = s.for_request({"sparseety_policy": "tova", "sparseety_budget": 32}, 300)
+    assert asked is not None and (asked.policy, asked.budget, asked.options) == ("tova", 32, {})
+    asked = s.for_request({"sparseety_policy": "snapkv", "sparseety_ratio": "0.5",
+                           "sparseety_policy_opts": {"window": 8}}, 300)
+    assert asked is not None and (asked.policy, asked.budget, asked.options) == ("snapkv", 150, {"window": 8})
+
+
+def test_a_request_can_ask_for_dense_or_another_policy_and_inherits_the_budget():
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "h2o", "SPARSEETY_KV_BUDGET": "64",
+                        "SPARSEETY_KV_POLICY_OPTS": "recent_ratio=0.25"})
+    assert s is not None and s.for_request({"sparseety_policy": "dense"}, 300) is None
+    same = s.for_request({}, 300)
+    assert same is not None and (same.policy, same.budget, same.options) == ("h2o", 64, {"recent_ratio": "0.25"})
+    other = s.for_request({"sparseety_policy": "tova"}, 300)
+    assert other is not None and (other.policy, other.budget, other.options) == ("tova", 64, {})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"sparseety_policy": "tova", "sparseety_budget": -1}, "sparseety_budget=-1 is not an integer >= 1"),
+    ({"sparseety_policy": "tova", "sparseety_ratio": 2}, "sparseety_ratio=2 is not a number in [0, 1)"),
+    ({"sparseety_budget": 8}, "sparseety_budget without sparseety_policy"),
+    ({"sparseety_policy": "tova"}, "sparseety_policy=tova needs exactly one of sparseety_budget"),
+    ({"sparseety_policy": "kvzip", "sparseety_budget": 8}, "sparseety_policy='kvzip' cannot run inside vLLM"),
+    ({"sparseety_policy": "tova", "sparseety_budget": 8, "sparseety_policy_opts": "heads=x"}, "heads must be one of"),
+])
+def test_bad_request_args_name_the_arg(extra, message):
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "dense"})
+    with pytest.raises(ConfigError) as info:
+        s.for_request(extra, 300)
+    assert message in str(info.value)
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"SPARSEETY_KV_POLICY": "snapkv", "SPARSEETY_KV_BUDGET": "64"}, "SPARSEETY_KV_POLICY='snapkv' cannot run"),
-    ({"SPARSEETY_KV_POLICY": "nope", "SPARSEETY_KV_BUDGET": "64"}, "allowed: dense, streaming"),
+    ({"SPARSEETY_KV_POLICY": "kvzip", "SPARSEETY_KV_BUDGET": "64"}, "reconstruction pass of its own"),
+    ({"SPARSEETY_KV_POLICY": "kvzap", "SPARSEETY_KV_BUDGET": "64"}, "hidden states entering attention"),
+    ({"SPARSEETY_KV_POLICY": "pyramid", "SPARSEETY_KV_BUDGET": "64"}, "layers different budgets"),
+    ({"SPARSEETY_KV_POLICY": "topk_attention", "SPARSEETY_KV_BUDGET": "64"}, "deletes no keys"),
+    ({"SPARSEETY_KV_POLICY": "nope", "SPARSEETY_KV_BUDGET": "64"}, "nope"),
     ({"SPARSEETY_KV_POLICY": "streaming"}, "needs exactly one of SPARSEETY_KV_BUDGET"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "8", "SPARSEETY_KV_RATIO": "0.5"}, "exactly one"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "0"}, "SPARSEETY_KV_BUDGET='0' is not an integer"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "64", "SPARSEETY_KV_INTERVAL": "-1"},
      "SPARSEETY_KV_INTERVAL='-1'"),
-    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_RATIO": "1.5"}, "ratio"),
+    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_RATIO": "1.5"}, "SPARSEETY_KV_RATIO='1.5'"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "2"}, "budget (2) must be >= sinks (4)"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "64", "SPARSEETY_KV_POLICY_OPTS": "window=3"},
      "unknown option 'window'"),
@@ -39,10 +80,10 @@ def test_bad_settings_name_the_variable(env, message):
 def test_settings_resolve_budget_ratio_and_options():
     s = parse_eviction({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_RATIO": "0.75",
                         "SPARSEETY_KV_POLICY_OPTS": "sinks=8"})
-    assert s is not None and s.budget_for(400) == 100 and s.sinks == 8 and s.interval is None
+    assert s is not None and s.budget_for(400) == 100 and s.options == {"sinks": "8"} and s.interval is None
     s = parse_eviction({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "64",
                         "SPARSEETY_KV_INTERVAL": "1"})
-    assert s is not None and s.budget_for(400) == 64 and s.sinks == 4 and s.interval == 1
+    assert s is not None and s.budget_for(400) == 64 and s.options == {} and s.interval == 1
 
 
 def test_ledger_compacts_after_the_prompt_then_every_interval():
@@ -119,3 +160,121 @@ def test_compaction_keeps_exactly_the_kept_tokens_in_place():
         flat, want = kv[0].reshape(H, -1), expected[0].reshape(H, -1)
         cols = layout.index[:2].reshape(-1)
         assert torch.equal(flat[:, cols], want[:, cols])
+
+
+def test_batched_holes_pad_with_self_copies_and_each_head_keeps_its_own_slots():
+    keep = torch.tensor([[0, 1, 5, 6, 7, 9], [0, 1, 2, 3, 4, 5]])  # head 0 moves three slots, head 1 none
+    src, dst = fill_holes(keep, 6)
+    assert src.shape == dst.shape == (2, 3)
+    assert src[0].tolist() == [6, 7, 9] and dst[0].tolist() == [2, 3, 4]
+    assert torch.equal(src[1], dst[1])  # padding: a kept slot onto itself
+    positions = kept_positions(torch.arange(12).expand(2, 12), (src, dst), 6)
+    assert [sorted(p) for p in positions.tolist()] == keep.tolist()
+
+
+def test_per_head_compaction_and_reading_slots_back():
+    torch.manual_seed(1)
+    layout = probe_layout(kernel_write, H, BS, D, torch.float32)
+    blocks = torch.tensor([4, 1, 2])
+    n = 20
+    keys, values = torch.randn(n, H, D), torch.randn(n, H, D)
+    slots = blocks[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+    kv = torch.zeros(6, H, BS, 2 * D)
+    kernel_write(keys, values, *split(kv), slots)
+    assert torch.equal(read_slots(kv, blocks, n, layout), keys.transpose(0, 1))
+    assert torch.equal(read_slots(kv, blocks, n, layout, values=True), values.transpose(0, 1))
+    keep = torch.tensor([[0, 3, 11, 12, 19], [1, 2, 3, 4, 18]])
+    moves = fill_holes(keep, 5)
+    compact([kv], blocks, (moves[0][None], moves[1][None]), layout)
+    got = read_slots(kv, blocks, 5, layout)
+    positions = kept_positions(torch.arange(n).expand(H, n), moves, 5)
+    for h in range(H):
+        assert sorted(positions[h].tolist()) == keep[h].tolist()
+        assert torch.equal(got[h], keys[positions[h], h])
+
+
+def simulate(policy_name: str, options: dict, chunks: list[int], budget: int):
+    """A two-layer model's prompt fed in ``chunks`` to :class:`EvictingRequest` over a simulated paged cache:
+    the kept slots of the first compaction, and the own engine's choice from one pass over the whole prompt."""
+    from sparseety.engine.signals import group_mean
+    from sparseety.extract.scoring import column_sums, row_probs
+    from sparseety.integrations.vllm.eviction_slots import EvictingRequest
+    from sparseety.policies.base import Observation, Signal, select_keep
+    from sparseety.policies.registry import build_policy
+
+    torch.manual_seed(2)
+    layers, heads, n, scale = 2, 4, sum(chunks), 0.5
+    policy = build_policy(policy_name, budget, options)
+    layout = probe_layout(kernel_write, H, BS, D, torch.float32)
+    blocks = torch.arange(-(-n // BS))
+    queries, keys = torch.randn(layers, n, heads, D), torch.randn(layers, n, H, D)
+    caches = [torch.zeros(len(blocks), H, BS, 2 * D) for _ in range(layers)]
+    request = EvictingRequest("r", policy, n, layers, H)
+
+    def read(layer, count, values):
+        return read_slots(caches[layer], blocks, count, layout, values)
+
+    end = 0
+    for size in chunks:
+        rows = torch.arange(end, end + size)
+        for layer in range(layers):
+            kernel_write(keys[layer, rows], keys[layer, rows], *split(caches[layer]), rows)
+            request.observe(layer, queries[layer, rows], end + size, end + size, scale, read)
+        end += size
+        request.finish_forward(end)
+    got = request.moves(n, n, budget, read)
+    kept = [sorted(p) for p in request.positions.reshape(-1, budget).tolist()]
+    want = []
+    for layer in range(layers):
+        q, k = queries[layer].transpose(0, 1)[None], keys[layer].transpose(0, 1)[None]
+        signal = policy.prefill_signal
+        attention = None
+        if signal is Signal.WINDOW:
+            attention = group_mean(row_probs(q[:, :, -policy.window_rows():], k, scale), H)
+        elif signal is Signal.COLSUM:
+            attention = group_mean(column_sums(q, k, scale, policy.colsum_stride(n)), H)
+        elif signal is Signal.LAST_ROW:
+            attention = group_mean(row_probs(q[:, :, -1:], k, scale)[:, :, 0], H)
+        positions = torch.arange(n).expand(1, H, n)
+        scores, _ = policy.score(Observation(layer, layers, 0, True, positions, k, attention, None, 0,
+                                             values=k, newest=n - 1))
+        want += [sorted(p) for p in select_keep(scores, budget, positions)[0].tolist()]
+    return kept, want, got
+
+
+@pytest.mark.parametrize("policy, options", [
+    ("snapkv", {"window": 6, "kernel": 3}), ("h2o", {"prefill_rows": 8}), ("tova", {"heads": "kv_head"}),
+    ("streaming", {"sinks": 2}), ("knorm", {}), ("snapkv", {"window": 4, "value_aware": True}),
+])
+def test_chunked_prompt_keeps_what_one_pass_of_the_own_policy_keeps(policy, options):
+    kept, want, (src, dst) = simulate(policy, options, [11, 3, 6], budget=9)
+    assert kept == want
+    assert src.shape[:2] == (2, H)
+
+
+def test_the_worker_report_joins_its_request_and_a_failure_stops_its_eviction():
+    ledger = EvictionLedger(interval=1)
+    ledger.track("a", 8, "tova")
+    ledger.track("b", 8, "h2o")
+    order = ledger.plan("a", 20, 20)
+    ledger.apply(order, freed_blocks=1)
+    failed = ledger.receive({"evicted": {"a": [[0, 0, 0, 3, 0.5]], "gone": [[0, 0, 0, 1, 0.1]]},
+                             "failed": {"b": "scoring failed: boom"}})
+    assert failed == [("b", "scoring failed: boom")]
+    assert ledger.receive({"failed": {"b": "again"}}) == []  # warned once
+    assert ledger.plan("b", 40, 20) is None  # b stops evicting and keeps what it holds
+    record = ledger.forget("a").record("a")
+    assert record == ["a", "tova", 8, 12, 1, 1, 20, [[0, 0, 0, 3, 0.5]], None]
+
+
+def test_recorded_evictions_are_the_complement_of_the_kept_slots():
+    from sparseety.integrations.vllm.eviction_slots import EvictingRequest
+    from sparseety.policies.registry import build_policy
+
+    request = EvictingRequest("r", build_policy("streaming", 4, {"sinks": 1}), 6, 2, H, trace=True)
+    read = lambda layer, n, values: torch.zeros(H, n, D)  # noqa: E731 (streaming reads positions only)
+    request.moves(6, 6, 4, read)
+    rows = request.take_evicted()
+    assert sorted((int(r[1]), int(r[2]), int(r[3])) for r in rows) == [
+        (layer, head, p) for layer in range(2) for head in range(H) for p in (1, 2)]
+    assert all(r[0] == 0 for r in rows) and request.take_evicted() == []

@@ -30,16 +30,9 @@ from sparseety.engine.packed import active_packed, isolated
 from sparseety.engine.reconstruct import reconstruction_attention, reconstruction_scores, scoring_keys
 from sparseety.engine.signals import LayerSignals
 from sparseety.engine.window import window_mask
-from sparseety.extract.scoring import row_probs  # noqa: F401  (the one row-probability function; tests patch it here)
+from sparseety.extract.scoring import column_sums, row_probs  # noqa: F401  (the one row-probability function; tests patch it here)
 
 ATTENTION_NAME = "sparseety"
-COLSUM_BLOCK = 128
-
-
-def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[b, heads, r, d]`` -> ``[b, kv_heads, group, r, d]``."""
-    b, h, r, d = query.shape
-    return query.reshape(b, kv_heads, h // kv_heads, r, d)
 
 
 def causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -81,48 +74,6 @@ def decode_attention_with_probs(query: torch.Tensor, key: torch.Tensor, value: t
     probs = torch.softmax(logits, dim=-1)  # [b, kvh, g, n]
     out = torch.matmul(probs, value)  # [b, kvh, g, d]
     return out.reshape(b, 1, h, d), probs.reshape(b, h, n).float()
-
-
-def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int = 1,
-                block: int = COLSUM_BLOCK, last: int | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention each key receives, summed over query rows, computed ``block`` rows at a time.
-
-    With ``stride > 1`` only every ``stride``-th row counting back from row ``last`` is computed and
-    the sums are scaled by ``stride`` (an unbiased estimate at ``1/stride`` of the cost); ``stride=1``
-    is exact. ``last`` (default: the last row) may lie beyond this forward's rows: a prefill chunk
-    then samples the rows the whole prefill would. ``hidden`` (``[b, 1 or kv_heads, q, n]`` bool) masks
-    what a sliding window hides. Memory stays ``O(block * n)`` per head: the full
-    ``[heads, q, n]`` matrix never exists.
-
-    Parameters
-    ----------
-    query : ``[b, heads, q, d]``; key : ``[b, kv_heads, n, d]``.
-
-    Returns
-    -------
-    ``[b, heads, n]`` float32 column sums.
-    """
-    b, h, q, d = query.shape
-    kvh, n = key.shape[1], key.shape[2]
-    g = h // kvh
-    key_t = key.transpose(-1, -2).contiguous()  # [b, kv_heads, d, n]
-    last = q - 1 if last is None else last
-    top = last - stride * -(-(last - (q - 1)) // stride) if last > q - 1 else last  # the last sampled row here
-    rows = torch.arange(top, -1, -stride, device=query.device).flip(0)
-    colsum = torch.zeros(b, h, n, dtype=torch.float32, device=query.device)
-    for start in range(0, rows.numel(), block):
-        chunk = rows[start : start + block]
-        visible = n - q + int(chunk[-1]) + 1  # keys the last row of the chunk may see
-        r = chunk.numel()
-        grouped = _grouped(query[:, :, chunk] * scaling, kvh).reshape(b, kvh, g * r, d)
-        logits = torch.matmul(grouped, key_t[..., :visible]).reshape(b, kvh, g, r, visible)
-        cols = torch.arange(visible, device=query.device).unsqueeze(0)
-        logits.masked_fill_(cols > (chunk + (n - q)).unsqueeze(1), float("-inf"))
-        if hidden is not None:  # [b, 1 or kvh, q, n]: a sliding window
-            logits.masked_fill_(hidden[:, :, chunk, :visible].unsqueeze(2), float("-inf"))
-        colsum[..., :visible] += torch.softmax(logits, dim=-1).sum(dim=-2).reshape(b, h, visible)
-    return colsum * stride
 
 
 def topk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

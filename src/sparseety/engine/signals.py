@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseety.extract.scoring import group_mean  # noqa: F401  (the engine's name for it)
+
 
 @dataclass
 class LayerSignals:
@@ -37,9 +39,3 @@ class LayerPlan:
     topk: int | None
     colsum_last: int = -1  #: with chunked prefill: the row (of this forward) that is the prefill's last row
     query_rows: int = 0  #: the last query rows handed to the policy (:meth:`Policy.query_rows`)
-
-
-def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Average ``[b, heads, ...]`` over the query heads of each KV group -> ``[b, kv_heads, ...]``."""
-    b, h = x.shape[:2]
-    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:]).mean(dim=2)

@@ -102,6 +102,12 @@ def score_row(row: torch.Tensor, norms: torch.Tensor | None, kv_heads: int | Non
     return scored.reshape(*lead, kv_heads, h // kv_heads, n).mean(dim=-2)
 
 
+def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Average ``[b, heads, ...]`` over the query heads of each KV group -> ``[b, kv_heads, ...]``."""
+    b, h = x.shape[:2]
+    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:]).mean(dim=2)
+
+
 def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float,
               hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Attention probabilities of the last ``r`` new query rows (the step's newest queries): the rows the
@@ -129,6 +135,51 @@ def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float,
     if hidden is not None:
         logits = logits.masked_fill(hidden.unsqueeze(2), float("-inf"))
     return torch.softmax(logits, dim=-1).reshape(b, h, r, n)
+
+
+COLSUM_BLOCK = 128
+
+
+def column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, stride: int = 1,
+                block: int = COLSUM_BLOCK, last: int | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention each key receives, summed over query rows, computed ``block`` rows at a time.
+
+    With ``stride > 1`` only every ``stride``-th row counting back from row ``last`` is computed and
+    the sums are scaled by ``stride`` (an unbiased estimate at ``1/stride`` of the cost); ``stride=1``
+    is exact. ``last`` (default: the last row) may lie beyond this forward's rows: a prefill chunk
+    then samples the rows the whole prefill would. ``hidden`` (``[b, 1 or kv_heads, q, n]`` bool) masks
+    what a sliding window hides. Memory stays ``O(block * n)`` per head: the full
+    ``[heads, q, n]`` matrix never exists.
+
+    Parameters
+    ----------
+    query : ``[b, heads, q, d]``; key : ``[b, kv_heads, n, d]``.
+
+    Returns
+    -------
+    ``[b, heads, n]`` float32 column sums.
+    """
+    b, h, q, d = query.shape
+    kvh, n = key.shape[1], key.shape[2]
+    g = h // kvh
+    key_t = key.transpose(-1, -2).contiguous()  # [b, kv_heads, d, n]
+    last = q - 1 if last is None else last
+    top = last - stride * -(-(last - (q - 1)) // stride) if last > q - 1 else last  # the last sampled row here
+    rows = torch.arange(top, -1, -stride, device=query.device).flip(0)
+    colsum = torch.zeros(b, h, n, dtype=torch.float32, device=query.device)
+    for start in range(0, rows.numel(), block):
+        chunk = rows[start : start + block]
+        visible = n - q + int(chunk[-1]) + 1  # keys the last row of the chunk may see
+        r = chunk.numel()
+        grouped = (query[:, :, chunk] * scaling).reshape(b, kvh, g * r, d)
+        logits = torch.matmul(grouped, key_t[..., :visible]).reshape(b, kvh, g, r, visible)
+        cols = torch.arange(visible, device=query.device).unsqueeze(0)
+        logits.masked_fill_(cols > (chunk + (n - q)).unsqueeze(1), float("-inf"))
+        if hidden is not None:  # [b, 1 or kvh, q, n]: a sliding window
+            logits.masked_fill_(hidden[:, :, chunk, :visible].unsqueeze(2), float("-inf"))
+        colsum[..., :visible] += torch.softmax(logits, dim=-1).sum(dim=-2).reshape(b, h, visible)
+    return colsum * stride
 
 
 def find_sinks(attention: torch.Tensor, scores: torch.Tensor | None) -> list[int]:

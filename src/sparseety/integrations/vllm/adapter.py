@@ -198,6 +198,7 @@ NEEDS: tuple[Need, ...] = (
     Need("kv-eviction", SCHED, "schedule", (), prefix=True, concrete=True),
     Need("kv-eviction", SCHED, "add_request", ("request",), concrete=True),
     Need("kv-eviction", SCHED, "_free_request_blocks", ("request",), concrete=True),
+    Need("kv-eviction", SCHED, "update_from_output", ("scheduler_output", "model_runner_output"), concrete=True),
     *_attrs("kv-eviction", SCHED, "running", "kv_cache_manager", "kv_cache_config", "vllm_config"),
     Need("kv-eviction", STM, "get_num_blocks_to_allocate", ("request_id", "num_tokens"), prefix=True),
     Need("kv-eviction", STM, "allocate_new_blocks", ("request_id", "num_tokens"), prefix=True),
@@ -208,7 +209,8 @@ NEEDS: tuple[Need, ...] = (
             "block_pool", "block_size"),
     Need("kv-eviction", "vllm.v1.core.block_pool:BlockPool", "free_blocks", ("ordered_blocks",)),
     *_attrs("kv-eviction", REQ, "request_id", "num_computed_tokens", "num_prompt_tokens",
-            "skip_reading_prefix_cache", "is_finished"),
+            "skip_reading_prefix_cache", "is_finished", "sampling_params"),
+    *_attrs("kv-eviction", "vllm.sampling_params:SamplingParams", "extra_args"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheSpec", "block_size"),
@@ -217,14 +219,21 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("kv-eviction", SOUT, "num_scheduled_tokens", "finished_req_ids"),
     Need("kv-eviction-worker", RUNNER, "_update_states", ("scheduler_output",)),
     Need("kv-eviction-worker", RUNNER, "_prepare_inputs", ("scheduler_output", "num_scheduled_tokens")),
+    Need("kv-eviction-worker", RUNNER, "sample_tokens", ("grammar_output",)),
+    *_attrs("kv-eviction-worker", "vllm.v1.outputs:ModelRunnerOutput", "req_ids"),
+    Need("kv-eviction-worker", RUNNER, "_model_forward",
+         ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"), prefix=True),
+    *_attrs("kv-eviction-worker", "vllm.forward_context", "get_forward_context"),
     *_attrs("kv-eviction-worker", RUNNER, "requests", "input_batch", "seq_lens", "optimistic_seq_lens_cpu",
             "positions", "query_start_loc", "kv_cache_config", "compilation_config"),
-    *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:InputBatch", "req_id_to_index", "block_table"),
+    *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:InputBatch", "req_id_to_index", "block_table",
+            "req_ids", "num_reqs"),
     *_attrs("kv-eviction-worker", "vllm.v1.worker.block_table:MultiGroupBlockTable", "block_tables"),
     *_attrs("kv-eviction-worker", "vllm.v1.worker.block_table:BlockTable", "block_table", "num_blocks_per_row",
             "slot_mapping", "block_size"),
     *_attrs("kv-eviction-worker", "vllm.v1.utils:CpuGpuBuffer", "np", "gpu"),
-    *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:CachedRequestState", "block_ids"),
+    *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:CachedRequestState", "block_ids",
+            "num_prompt_tokens", "sampling_params"),
     *_attrs("kv-eviction-worker", f"{CONFIG}:CompilationConfig", "static_forward_context"),
     *_attrs("kv-eviction-worker", "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase", "kv_cache",
             "impl"),
@@ -831,10 +840,13 @@ def running_requests(scheduler: Any) -> list[tuple[str, int, int]]:
     return [(r.request_id, r.num_computed_tokens, r.num_prompt_tokens) for r in scheduler.running]
 
 
-def skip_prefix_cache(request: Any) -> tuple[str, int]:
-    """Keep ``request`` off the prefix cache (its blocks will be compacted); its id and prompt length."""
+def skip_prefix_cache(request: Any) -> None:
+    """Keep ``request`` off the prefix cache (its blocks will be compacted)."""
     request.skip_reading_prefix_cache = True
-    return request.request_id, request.num_prompt_tokens
+
+
+def prompt_tokens(request: Any) -> int:
+    return int(request.num_prompt_tokens)
 
 
 def request_finished(request: Any) -> tuple[str, bool]:
@@ -879,6 +891,18 @@ def group_caches(runner: Any) -> list[tuple[list[Any], int, Any]]:
         groups.append(([layer.kv_cache for layer in layers], group.kv_cache_spec.block_size,
                        layers[0] if layers else None))
     return groups
+
+
+def group_layer_names(runner: Any) -> list[list[str]]:
+    """Per KV-cache group, the names of its layers in :func:`group_caches`' order."""
+    context = runner.compilation_config.static_forward_context
+    return [[name for name in group.layer_names if name in context] for group in runner.kv_cache_config.kv_cache_groups]
+
+
+def request_extra_args(request: Any) -> dict[str, Any]:
+    """The ``vllm_xargs`` of an engine-core ``Request`` (empty when it has none)."""
+    params = getattr(request, "sampling_params", None)
+    return dict(getattr(params, "extra_args", None) or {})
 
 
 def cache_writer(layer: Any) -> Any:

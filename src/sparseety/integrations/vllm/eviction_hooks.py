@@ -25,16 +25,20 @@ step t is read by the worker before any forward of step t writes it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.eviction_ledger import Compaction, EvictionLedger
+from sparseety.integrations.vllm.eviction_ledger import EvictionLedger
 from sparseety.integrations.vllm.eviction_settings import EvictionSettings, parse_eviction
+from sparseety.integrations.vllm.hooks import guarded
 
 log = logging.getLogger("sparseety.vllm")
 HOOK = "kv-eviction"
 HOOK_WORKER = "kv-eviction-worker"
 ORDERS = "sparseety_kv"  #: the SchedulerOutput attribute that carries the orders
+REPORT = "sparseety_kv_report"  #: the ModelRunnerOutput attribute that carries the worker's report
 
 
 class EngineCoreEviction:
@@ -43,9 +47,22 @@ class EngineCoreEviction:
     def __init__(self, settings: EvictionSettings, block_size: int) -> None:
         self.settings = settings
         self.ledger = EvictionLedger(settings.interval or block_size)
+        self.preempted: list[str] = []  #: since the last message: the worker starts their slot maps afresh
+        self.refused = 0  #: requests whose ``vllm_xargs`` asked for an eviction that cannot run (run dense)
+        self.failed = 0  #: requests that stopped evicting after a failed compaction
 
-    def admit(self, rid: str, prompt_tokens: int) -> None:
-        self.ledger.track(rid, self.settings.budget_for(prompt_tokens))
+    def admit(self, rid: str, prompt_tokens: int, extra: dict[str, Any]) -> bool:
+        """Track ``rid`` when it evicts (the settings, or its ``vllm_xargs``); True when it does."""
+        try:
+            asked = self.settings.for_request(extra, prompt_tokens)
+        except ConfigError as exc:
+            self.refused += 1
+            log.warning("sparseety: request %s runs dense: %s", rid, exc)
+            return False
+        if asked is None:
+            return False
+        self.ledger.track(rid, asked.budget, asked.policy)
+        return True
 
     def before_schedule(self, scheduler: Any) -> list[list]:
         """Plan and free: the compactions of this step, as lists for the worker."""
@@ -64,83 +81,43 @@ class EngineCoreEviction:
         (their blocks are all free and they recompute from the prompt)."""
         orders = [o for o in orders if self.ledger.offset(o[0])]
         offsets = {rid: self.ledger.offset(rid) for rid in scheduled if self.ledger.offset(rid)}
-        return {"compact": orders, "offset": offsets}
+        reset, self.preempted = self.preempted, []
+        return {"compact": orders, "offset": offsets, "reset": reset}
 
-
-class WorkerEviction:
-    """The worker's side: each evicting request's slot-to-position map, and the probed cache layout."""
-
-    def __init__(self, sinks: int) -> None:
-        self.sinks = sinks
-        self.positions: dict[str, Any] = {}  #: rid -> [held] logical position of each physical slot
-        self.layouts: dict[int, Any] = {}
-        self.offsets: dict[str, int] = {}
-        self.groups: list[tuple[list[Any], int, Any]] | None = None  #: the layers' caches, read once
-
-    def keep(self, positions: Any, kept: int) -> Any:
-        """``streaming``: the sinks and the newest positions, scored and selected as the own engine's
-        :class:`~sparseety.policies.streaming.StreamingPolicy` does -> slots [kept], ascending."""
-        import torch
-
-        from sparseety.policies.base import protect, select_keep
-
-        scores = protect(positions.to(torch.float32), positions < self.sinks)
-        return select_keep(scores[None, None], kept, positions[None, None])[0, 0]
-
-    def layout(self, group: int, caches: list[Any], block_size: int, layer: Any) -> Any:
-        from sparseety.integrations.vllm.kv_compaction import probe_layout
-
-        if group not in self.layouts:
-            write = adapter.cache_writer(layer)
-            kv = caches[0]
-            self.layouts[group] = None if write is None else probe_layout(
-                write, kv.shape[1], block_size, kv.shape[3] // 2, kv.dtype)
-            if self.layouts[group] is None:
-                raise RuntimeError(f"the KV-cache layout of {type(layer.impl).__name__} could not be probed")
-        return self.layouts[group]
-
-    def carry_out(self, runner: Any, order: Compaction) -> None:
-        import torch
-
-        from sparseety.integrations.vllm.kv_compaction import compact, fill_holes, kept_positions
-
-        held = self.positions.get(order.rid)
-        if held is None or order.logical == order.physical:
-            held = torch.arange(order.physical)
-        else:
-            fresh = order.physical - held.numel()
-            held = torch.cat([held, torch.arange(order.logical - fresh, order.logical)])
-        moves = fill_holes(self.keep(held, order.kept), order.kept)
-        block_lists = adapter.request_blocks(runner, order.rid)
-        if block_lists is None:
+    def receive(self, outbox: Any) -> None:
+        """The worker's report on the ``ModelRunnerOutput`` (evicted slots, failed compactions)."""
+        if not outbox:
             return
-        if self.groups is None:
-            self.groups = adapter.group_caches(runner)
-        for group, (caches, block_size, layer) in enumerate(self.groups):
-            blocks = block_lists[group]
-            layout = self.layout(group, caches, block_size, layer)
-            compact(caches, torch.tensor(blocks, dtype=torch.int64), moves, layout)
-            kept_blocks = -(-order.kept // block_size)
-            del blocks[kept_blocks:]
-            adapter.truncate_row(runner, order.rid, group, kept_blocks)
-        self.positions[order.rid] = kept_positions(held, moves, order.kept)
+        for rid, reason in self.ledger.receive(outbox):
+            self.failed += 1
+            log.warning("sparseety: request %s stops evicting (it keeps what it holds and grows from there): %s",
+                        rid, reason)
 
-    def before_update(self, runner: Any, message: dict[str, Any] | None, finished: Any) -> None:
-        for rid in finished:
-            self.positions.pop(rid, None)
-        self.offsets = dict(message["offset"]) if message else {}
-        for item in message["compact"] if message else ():
-            self.carry_out(runner, Compaction(*item))
+    def freed(self, rid: str, finished: bool) -> list | None:
+        """vLLM freed all of ``rid``'s blocks: finished (forgotten: its record for the observer, see
+        :meth:`.RequestLedger.record`) or preempted (recomputes from zero)."""
+        if finished:
+            led = self.ledger.forget(rid)
+            return None if led is None else led.record(rid)
+        if rid in self.ledger.requests:
+            self.ledger.reset(rid)
+            self.preempted.append(rid)
+        return None
 
 
 _CORE: EngineCoreEviction | None = None
-_WORKER: WorkerEviction | None = None
+_WORKER: Any = None  #: the worker's :class:`.eviction_worker.WorkerEviction` (torch is imported there)
 
 
-def install(loud: bool) -> None:
+_SEND: Callable[[str, list[list], Any], None] | None = None  #: the scheduler channel to the observer
+
+
+def install(loud: bool, send: Callable[[str, list[list], Any], None] | None = None) -> None:
     """Install the eviction hooks when ``SPARSEETY_KV_POLICY`` asks for eviction (nothing otherwise). A bad
-    setting is raised when vLLM builds its scheduler, so vLLM refuses to start naming it."""
-    global _WORKER
+    setting is raised when vLLM builds its scheduler, so vLLM refuses to start naming it. ``send(kind, records,
+    requests)`` carries each finished request's eviction record to the observer."""
+    global _WORKER, _SEND
+    _SEND = send
     try:
         settings = parse_eviction()
         problem = None
@@ -152,7 +129,9 @@ def install(loud: bool) -> None:
     if not (on[HOOK] and on[HOOK_WORKER]):
         return
     if settings is not None:
-        _WORKER = WorkerEviction(settings.sinks)
+        from sparseety.integrations.vllm.eviction_worker import WorkerEviction
+
+        _WORKER = WorkerEviction(settings)
     _patch_scheduler(settings, problem)
     _patch_managers()
     _patch_runner()
@@ -167,8 +146,6 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
             global _CORE
             refusal = problem or adapter.eviction_refusal(self.vllm_config, self.kv_cache_config)
             if refusal is not None:
-                from sparseety.errors import ConfigError
-
                 raise ConfigError(f"sparseety: SPARSEETY_KV_POLICY cannot run: {refusal}")
             assert settings is not None
             block = min(g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups)
@@ -180,8 +157,9 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
     def make_add(original):
         def add_request(self, request, *args, **kwargs):
             if _CORE is not None:
-                rid, prompt = adapter.skip_prefix_cache(request)
-                _CORE.admit(rid, prompt)
+                rid, prompt = adapter.request_id(request), adapter.prompt_tokens(request)
+                if _CORE.admit(rid, prompt, adapter.request_extra_args(request)):
+                    adapter.skip_prefix_cache(request)
             return original(self, request, *args, **kwargs)
         return add_request
 
@@ -199,14 +177,22 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
             result = original(self, request, *args, **kwargs)
             if _CORE is not None:
                 rid, finished = adapter.request_finished(request)
-                if finished:
-                    _CORE.ledger.forget(rid)
-                else:
-                    _CORE.ledger.reset(rid)
+                record = _CORE.freed(rid, finished)
+                if record is not None and _SEND is not None:
+                    guarded(HOOK, _SEND, "evict", [record], {rid: request})
             return result
         return _free_request_blocks
 
+    def make_update(original):
+        def update_from_output(self, *args, **kwargs):
+            if _CORE is not None:
+                output = adapter.arg(args, kwargs, 1, "model_runner_output")
+                guarded(HOOK, _CORE.receive, getattr(output, REPORT, None))
+            return original(self, *args, **kwargs)
+        return update_from_output
+
     adapter.patch(scheduler, "__init__", HOOK, make_init)
+    adapter.patch(scheduler, "update_from_output", HOOK, make_update)
     adapter.patch(scheduler, "add_request", HOOK, make_add)
     adapter.patch(scheduler, "schedule", HOOK, make_schedule)
     adapter.patch(scheduler, "_free_request_blocks", HOOK, make_free)
@@ -256,6 +242,56 @@ def _patch_runner() -> None:
             return result
         return _prepare_inputs
 
+    def make_forward(forward):
+        def _model_forward(self, *args, **kwargs):
+            if _WORKER is None:
+                return forward(self, *args, **kwargs)
+            _wrap_backends()
+            guarded(HOOK_WORKER, _WORKER.plan, self, adapter.arg(args, kwargs, 1, "positions"))
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                guarded(HOOK_WORKER, _WORKER.after_forward)
+        return _model_forward
+
     adapter.patch(runner, "_update_states", HOOK_WORKER, make_update)
     adapter.patch(runner, "_prepare_inputs", HOOK_WORKER, make_prepare)
+    def make_sample(original):
+        def sample_tokens(self, *args, **kwargs):
+            output = original(self, *args, **kwargs)
+            if _WORKER is not None and getattr(output, "req_ids", None):
+                report = guarded(HOOK_WORKER, _WORKER.outbox)
+                if report:
+                    setattr(output, REPORT, report)
+            return output
+        return sample_tokens
 
+    adapter.patch(runner, "_model_forward", HOOK_WORKER, make_forward)
+    adapter.patch(runner, "sample_tokens", HOOK_WORKER, make_sample)
+
+
+_SHAPES: dict[str, Any] = {}  #: attention layer name -> its heads and scale (:class:`.adapter.ImplShape`)
+
+
+def _wrap_backends() -> None:
+    """Wrap ``forward`` of each attention-implementation class the model's layers use (at the first forward,
+    inside vLLM's forward context): the evicting requests' new query rows score the slots they hold."""
+    if _SHAPES:
+        return
+    for layer in adapter.attention_layers():
+        _SHAPES[layer.name] = adapter.impl_shape(layer.impl)
+        cls = type(layer.impl)
+        if adapter.installed(cls, "forward", HOOK_WORKER) or not adapter.check_class(cls):
+            continue
+
+        def make(original):
+            def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+                result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+                if _WORKER is not None and _WORKER.step and attn_metadata is not None:
+                    shape = _SHAPES.get(adapter.layer_name(layer))
+                    if shape is not None:
+                        guarded(HOOK_WORKER, _WORKER.layer, layer, query, shape)
+                return result
+            return forward
+
+        adapter.patch(cls, "forward", HOOK_WORKER, make)

@@ -12,7 +12,7 @@ K/V into the first slots before that step's forward. Pure Python: no vLLM, no to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,24 @@ class Compaction:
 
 @dataclass
 class RequestLedger:
-    """What the ledger knows of one request since vLLM last allocated it from scratch."""
+    """What the ledger knows of one request: ``offset`` and ``compactions`` since vLLM last allocated it from
+    scratch; the totals (``evicted``, ``freed_blocks``, ``peak``) over its whole life, preemptions included."""
 
     budget: int
+    policy: str = ""
     offset: int = 0
     compactions: int = 0
     freed_blocks: int = 0
+    evicted: int = 0  #: tokens per layer evicted, summed over compactions
+    peak: int = 0  #: the most tokens it held at once (before a compaction)
+    events: list[list[float]] = field(default_factory=list)  #: the worker's (step, layer, kv head, position, score)
+    failure: str | None = None  #: why the worker stopped following the policy (the request then stops evicting)
+
+    def record(self, rid: str) -> list:
+        """``[request id, policy, budget, evicted tokens per layer, freed blocks, compactions, peak tokens, evicted
+        slots, failure]``, as it travels to the observer when the request finishes."""
+        return [rid, self.policy, self.budget, self.evicted, self.freed_blocks, self.compactions, self.peak,
+                self.events, self.failure]
 
 
 class EvictionLedger:
@@ -51,9 +63,9 @@ class EvictionLedger:
         self.requests: dict[str, RequestLedger] = {}
         self.totals = {"evicted_tokens": 0, "freed_blocks": 0, "compactions": 0}
 
-    def track(self, rid: str, budget: int) -> None:
-        """Start tracking ``rid`` (keeping ``budget`` tokens per layer); its offset is zero."""
-        self.requests[rid] = RequestLedger(budget)
+    def track(self, rid: str, budget: int, policy: str = "") -> None:
+        """Start tracking ``rid`` (keeping ``budget`` tokens per layer with ``policy``); its offset is zero."""
+        self.requests[rid] = RequestLedger(budget, policy)
 
     def offset(self, rid: str) -> int:
         """Logical minus physical tokens of ``rid`` (0 when it does not evict)."""
@@ -63,9 +75,10 @@ class EvictionLedger:
     def plan(self, rid: str, computed: int, prompt: int) -> Compaction | None:
         """The compaction of ``rid`` before the step that follows ``computed`` computed tokens, or None."""
         led = self.requests.get(rid)
-        if led is None or computed < prompt:
+        if led is None or computed < prompt or led.failure is not None:
             return None
         physical = computed - led.offset
+        led.peak = max(led.peak, physical)
         if physical <= led.budget or (led.compactions and physical - led.budget < self.interval):
             return None
         return Compaction(rid, computed, physical, led.budget)
@@ -74,6 +87,7 @@ class EvictionLedger:
         """Record that ``order`` was carried out and freed ``freed_blocks`` blocks."""
         led = self.requests[order.rid]
         led.offset += order.evicted
+        led.evicted += order.evicted
         led.compactions += 1
         led.freed_blocks += freed_blocks
         self.totals["evicted_tokens"] += order.evicted
@@ -86,6 +100,21 @@ class EvictionLedger:
         if led is not None:
             led.offset = 0
             led.compactions = 0
+
+    def receive(self, outbox: dict) -> list[tuple[str, str]]:
+        """The worker's report after a step (:meth:`.WorkerEviction.outbox`): evicted slots join their request;
+        a request whose compaction failed stops evicting. The ``(request id, reason)`` newly failed."""
+        for rid, rows in (outbox.get("evicted") or {}).items():
+            led = self.requests.get(rid)
+            if led is not None:
+                led.events.extend(rows)
+        failed = []
+        for rid, reason in (outbox.get("failed") or {}).items():
+            led = self.requests.get(rid)
+            if led is not None and led.failure is None:
+                led.failure = str(reason)
+                failed.append((rid, led.failure))
+        return failed
 
     def forget(self, rid: str) -> RequestLedger | None:
         return self.requests.pop(rid, None)

@@ -1,10 +1,17 @@
-"""``SPARSEETY_KV_*``: which eviction policy runs inside vLLM's paged KV cache, parsed and checked once.
+"""``SPARSEETY_KV_*`` and the per-request ``sparseety_*`` args: which eviction policy runs inside vLLM's paged KV
+cache, parsed and checked once.
 
-Unset ``SPARSEETY_KV_POLICY`` (or ``dense``) means vLLM runs exactly as without SparSEEty. A set but bad value
-is a :class:`~sparseety.errors.ConfigError` naming the variable: vLLM's engine core refuses to start with it
-(a silent dense run would look like a working eviction). Options are checked by the own engine's policy
-registry, so ``SPARSEETY_KV_POLICY_OPTS='sinks=8'`` means what ``--policy-opt sinks=8`` means. The registry
-(and torch) is imported only when eviction is asked for: the observer's import path stays torch-free.
+Unset ``SPARSEETY_KV_POLICY`` means vLLM runs exactly as without SparSEEty. ``dense`` installs the hooks with
+no eviction by default, so single requests can ask for one (``vllm_xargs`` ``sparseety_policy``,
+``sparseety_budget`` / ``sparseety_ratio``, ``sparseety_policy_opts``). A set but bad variable is a
+:class:`~sparseety.errors.ConfigError` naming it: vLLM's engine core refuses to start with it (a silent dense run
+would look like a working eviction). Options are checked by the own engine's policy registry, so
+``SPARSEETY_KV_POLICY_OPTS='sinks=8'`` means what ``--policy-opt sinks=8`` means. The registry (and torch) is
+imported only when eviction is asked for: the observer's import path stays torch-free.
+
+A policy runs inside vLLM when every layer keeps the same number of slots per KV head (one block table serves
+the group) and what it scores is there: positions, keys, values and attention rows of the layer
+(:func:`vllm_refusal` says why not otherwise).
 """
 
 from __future__ import annotations
@@ -17,10 +24,32 @@ from typing import Any
 
 from sparseety.errors import ConfigError
 
-#: policies that run inside vLLM today, and why the others do not yet
-IN_VLLM = ("streaming",)
-NOT_YET = ("needs scores from vLLM's attention (snapkv, tova, h2o) or the hidden states (kvzap) at the "
-           "compaction; only position-based policies run inside vLLM so far")
+POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG = "sparseety_policy", "sparseety_budget", "sparseety_ratio", \
+    "sparseety_policy_opts"  #: the per-request ``vllm_xargs``
+_SIGNALS_IN_VLLM = ("none", "last_row", "window", "colsum")
+
+
+def vllm_refusal(policy: Any, num_layers: int = 32) -> str | None:
+    """Why ``policy`` (a built :class:`~sparseety.policies.base.Policy`) cannot evict inside vLLM, or None."""
+    name = policy.name
+    if not policy.evicts or policy.attends_topk:
+        return f"{name} deletes no keys (it is not an eviction policy)"
+    if policy.reconstructs:
+        return f"{name} scores from a reconstruction pass of its own, which vLLM's scheduler cannot run"
+    if policy.needs_hidden:
+        return f"{name} reads the hidden states entering attention, which are not captured inside vLLM yet"
+    if policy.needs_token_ids or policy.query_rows() > 0:
+        return f"{name} reads token ids or query rows of earlier steps, which are not captured inside vLLM yet"
+    if policy.shares_budget or policy.splits_heads:
+        return (f"{name} with these options gives layers or KV heads different budgets; a vLLM KV-cache group "
+                "keeps one count per layer (kvzap: per_head=false share=false)")
+    budgets = {policy.layer_budget(layer, num_layers) for layer in range(num_layers)}
+    if len(budgets) > 1:
+        return f"{name} gives layers different budgets; a vLLM KV-cache group keeps one count per layer"
+    for signal in (policy.prefill_signal, policy.decode_signal):
+        if signal.value not in _SIGNALS_IN_VLLM:
+            return f"{name} needs the {signal.value} signal, which is not computed inside vLLM"
+    return None
 
 
 @dataclass(frozen=True)
@@ -42,12 +71,86 @@ class EvictionSettings:
         assert resolved is not None
         return resolved
 
-    @property
-    def sinks(self) -> int:
-        """The first positions ``streaming`` never evicts."""
-        from sparseety.policies.registry import build_policy
+    def for_request(self, extra: Mapping[str, Any] | None, prompt_tokens: int) -> RequestEviction | None:
+        """What one request evicts: these settings, or what its ``vllm_xargs`` ask (None: it runs dense).
+        Raises :class:`ConfigError` naming the arg when they ask for something that cannot run."""
+        extra = extra or {}
+        asked = {k for k in (POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG) if extra.get(k) is not None}
+        policy = str(extra.get(POLICY_ARG) or self.policy).strip()
+        if policy == "dense":
+            if asked - {POLICY_ARG}:
+                raise ConfigError(f"{', '.join(sorted(asked - {POLICY_ARG}))} without {POLICY_ARG}: this server "
+                                  "evicts nothing unless a request names a policy")
+            return None
+        budget = _positive_int(extra.get(BUDGET_ARG), BUDGET_ARG)
+        ratio = _ratio(extra.get(RATIO_ARG), RATIO_ARG)
+        if budget is None and ratio is None:  # the server's budget
+            budget, ratio = self.budget, self.ratio
+        if OPTS_ARG in asked:
+            raw = extra[OPTS_ARG]
+            options = dict(raw) if isinstance(raw, Mapping) else _options(str(raw), OPTS_ARG)
+        else:
+            options = self.options if policy == self.policy else {}
+        if (budget is None) == (ratio is None):
+            raise ConfigError(f"{POLICY_ARG}={policy} needs exactly one of {BUDGET_ARG} or {RATIO_ARG}")
+        return checked(policy, budget, ratio, options, prompt_tokens, arg=POLICY_ARG)
 
-        return int(build_policy(self.policy, self.budget or 1_000_000, self.options).sinks)  # type: ignore[attr-defined]
+
+@dataclass(frozen=True)
+class RequestEviction:
+    """One request's eviction: ``policy`` (its registry name) keeping ``budget`` slots per layer and KV head."""
+
+    policy: str
+    budget: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def key(self) -> tuple[str, int, str]:
+        return self.policy, self.budget, json.dumps(self.options, sort_keys=True, default=str)
+
+    def as_list(self) -> list:
+        """How it travels to the worker."""
+        return [self.policy, self.budget, self.options]
+
+
+def checked(policy: str, budget: int | None, ratio: float | None, options: dict[str, Any], prompt_tokens: int,
+            arg: str = "SPARSEETY_KV_POLICY") -> RequestEviction:
+    """The eviction of a request with ``prompt_tokens`` prompt tokens, its policy built and checked for vLLM."""
+    from sparseety.policies.registry import build_policy, resolve_budget
+
+    try:
+        resolved = resolve_budget(budget, ratio, max(prompt_tokens, 1))
+        built = build_policy(policy, resolved, options)
+    except ConfigError as exc:
+        raise ConfigError(f"{arg}: {exc}") from None
+    refusal = vllm_refusal(built)
+    if refusal is not None:
+        raise ConfigError(f"{arg}={policy!r} cannot run inside vLLM: {refusal}")
+    assert resolved is not None
+    return RequestEviction(policy, int(resolved), dict(options))
+
+
+def _positive_int(raw: Any, name: str) -> int | None:
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return None
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1 or (isinstance(raw, float) and raw != value):
+        raise ConfigError(f"{name}={raw!r} is not an integer >= 1")
+    return value
+
+
+def _ratio(raw: Any, name: str) -> float | None:
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={raw!r} is not a number in [0, 1)") from None
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name}={raw!r} is not a number in [0, 1)")
+    return value
 
 
 def _int(env: Mapping[str, str], var: str, minimum: int) -> int | None:
@@ -64,40 +167,29 @@ def _int(env: Mapping[str, str], var: str, minimum: int) -> int | None:
 
 
 def parse_eviction(env: Mapping[str, str] | None = None) -> EvictionSettings | None:
-    """The eviction asked for in ``env`` (default ``os.environ``), or None: vLLM runs dense.
+    """The eviction asked for in ``env`` (default ``os.environ``), or None: vLLM runs as without SparSEEty.
     Raises :class:`ConfigError` naming the variable and what is allowed."""
     env = os.environ if env is None else env
     policy = (env.get("SPARSEETY_KV_POLICY") or "").strip()
-    if policy in ("", "dense"):
+    if policy == "":
         return None
-    from sparseety.policies.registry import build_policy, resolve_budget
-
-    if policy not in IN_VLLM:
-        raise ConfigError(f"SPARSEETY_KV_POLICY={policy!r} cannot run inside vLLM; allowed: dense, "
-                          f"{', '.join(IN_VLLM)} ({NOT_YET})")
-    budget = _int(env, "SPARSEETY_KV_BUDGET", 1)
     interval = _int(env, "SPARSEETY_KV_INTERVAL", 1)
+    if policy == "dense":
+        return EvictionSettings("dense", interval=interval)
+    budget = _int(env, "SPARSEETY_KV_BUDGET", 1)
     ratio = None
     raw = env.get("SPARSEETY_KV_RATIO")
     if raw is not None and raw.strip():
-        try:
-            ratio = float(raw)
-        except ValueError:
-            raise ConfigError(f"SPARSEETY_KV_RATIO={raw!r} is not a number in [0, 1)") from None
+        ratio = _ratio(raw, "SPARSEETY_KV_RATIO")
     if (budget is None) == (ratio is None):
         raise ConfigError(f"SPARSEETY_KV_POLICY={policy} needs exactly one of SPARSEETY_KV_BUDGET=N or "
                           "SPARSEETY_KV_RATIO=r")
-    options = _options(env.get("SPARSEETY_KV_POLICY_OPTS") or "")
-    settings = EvictionSettings(policy, budget, ratio, interval, options)
-    try:
-        resolve_budget(budget, ratio, 1_000_000)
-        build_policy(policy, budget or 1_000_000, options)
-    except ConfigError as exc:
-        raise ConfigError(f"SPARSEETY_KV_*: {exc}") from None
-    return settings
+    options = _options(env.get("SPARSEETY_KV_POLICY_OPTS") or "", "SPARSEETY_KV_POLICY_OPTS")
+    checked(policy, budget, ratio, options, 1_000_000, arg="SPARSEETY_KV_POLICY")
+    return EvictionSettings(policy, budget, ratio, interval, options)
 
 
-def _options(raw: str) -> dict[str, Any]:
+def _options(raw: str, name: str) -> dict[str, Any]:
     """``key=value`` pairs separated by commas or spaces, or a JSON object."""
     raw = raw.strip()
     if not raw:
@@ -106,10 +198,10 @@ def _options(raw: str) -> dict[str, Any]:
         try:
             value = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"SPARSEETY_KV_POLICY_OPTS is not a JSON object: {exc}") from None
+            raise ConfigError(f"{name} is not a JSON object: {exc}") from None
         if not isinstance(value, dict):
-            raise ConfigError("SPARSEETY_KV_POLICY_OPTS must be a JSON object or key=value pairs")
+            raise ConfigError(f"{name} must be a JSON object or key=value pairs")
         return value
     from sparseety.policies.registry import parse_policy_opts
 
-    return dict(parse_policy_opts(raw.replace(",", " ").split(), flag="SPARSEETY_KV_POLICY_OPTS"))
+    return dict(parse_policy_opts(raw.replace(",", " ").split(), flag=name))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from sparseety.integrations.vllm.importance_consumer import ImportanceConsumer
 from sparseety.integrations.vllm.kv_consumer import KVConsumer
 from sparseety.integrations.vllm.kv_events import hash_text
@@ -62,6 +64,41 @@ def _token_arrays(c: FinishedRequest, blocks: list[Any], chunks: list[tuple[int,
     return arrays
 
 
+def _attach_evictions(run: VllmRun, eviction: dict[str, Any], sequence: list[int], tier: int) -> None:
+    """The slots the request's policy evicted inside vLLM's cache, as the own engine records them: ``evicted``
+    token events (tier 2), ``evicted_positions`` (distinct positions evicted from some layer and head) and
+    ``eviction_events`` (tier 1); the ``slots`` leave the ``vllm`` info (they are in the events)."""
+    slots = eviction.pop("slots", None) or []
+    if tier < 1 or not slots:
+        return
+    table = np.asarray(slots, dtype=np.float64).reshape(-1, 5)
+    positions = table[:, 3].astype(np.int64)
+    run.evicted_positions = int(np.unique(positions).size)
+    run.eviction_events = int(table.shape[0])
+    if tier >= 2:
+        ids = np.asarray(sequence, dtype=np.int64)
+        known = (positions >= 0) & (positions < ids.size)
+        run.arrays.update({
+            "evicted.step": table[:, 0].astype(np.int64), "evicted.layer": table[:, 1].astype(np.int64),
+            "evicted.kv_head": table[:, 2].astype(np.int64), "evicted.position": positions,
+            "evicted.token_id": np.where(known, ids[np.clip(positions, 0, max(ids.size - 1, 0))], -1),
+            "evicted.score": table[:, 4].astype(np.float32),
+        })
+
+
+def evicting_peak(held: list[int] | None, eviction: dict[str, Any], block_size: int | None,
+                  tokens: int) -> list[int] | None:
+    """``[peak bytes, peak blocks, dense bytes]`` of a request that evicted inside vLLM's cache: vLLM freed its
+    compacted blocks at the end, so its peak is the most tokens it held at once (before a compaction), and its
+    dense figure the blocks its ``tokens`` tokens would have held without eviction."""
+    if not held or not held[1] or not block_size:
+        return held
+    per_block = held[0] // held[1]
+    peak_blocks = max(held[1], -(-eviction["peak_tokens"] // block_size))
+    dense_blocks = -(-tokens // block_size)
+    return [peak_blocks * per_block, peak_blocks, dense_blocks * per_block]
+
+
 class Finisher:
     """Writes each finished request's record (in the observer's worker thread)."""
 
@@ -98,6 +135,12 @@ class Finisher:
         """Count ``c`` and, with a trace store, write its record."""
         preemptions, recomputed = self.count(c)
         chunks, drafts, held, frees = self.table.take(c.internal_id)
+        eviction = self.table.take_eviction(c.internal_id)
+        if eviction is not None:
+            labels = {"engine": engine_label(c.engine), "policy": eviction["policy"]}
+            self.sink.metrics.evicted_tokens.labels(**labels).inc(eviction["evicted_tokens_per_layer"])
+            self.sink.metrics.evicted_freed_blocks.labels(**labels).inc(eviction["freed_blocks"])
+            held = evicting_peak(held, eviction, self.sink.block_size, len(c.prompt_ids) + len(c.output_ids))
         groups = self.table.groups or []
         window = freed(groups, frees, len(c.prompt_ids)) if frees or layer_windows(groups) else None
         if window is not None:
@@ -110,6 +153,7 @@ class Finisher:
         blocks = self.kv.prompt_blocks(c.prompt_ids, c.request_id, c.engine or 0)
         info = self._info(c, preemptions, recomputed, blocks, chunks, drafts, held)
         info["window"] = window
+        info["eviction"] = eviction
         sequence_ids = c.prompt_ids + c.output_ids
         rows, skipped = window_events(groups, sequence_ids, len(c.prompt_ids), len(c.output_ids)) if window else ({}, None)
         sequence = c.prompt_ids + c.output_ids
@@ -117,6 +161,7 @@ class Finisher:
         run = VllmRun(
             request_id=c.request_id, model=sink.model, prompt_ids=c.prompt_ids, output_ids=c.output_ids,
             tier=tier, text=c.text, params=sink.params(),
+            **({"policy": eviction["policy"], "budget": eviction["budget"]} if eviction else {}),
             kv_cache_bytes_peak=held[0] if held else None,
             kv_cache_bytes_dense=held[2] if held else None,
             skipped_events=skipped,
@@ -127,6 +172,8 @@ class Finisher:
             arrays={**_token_arrays(c, blocks, chunks, drafts), **rows} if tier >= 2 else {},
             vllm=info,
         )
+        if eviction is not None:
+            _attach_evictions(run, eviction, sequence, tier)
         if tier >= 2:
             info["importance"] = self.importance.attach(
                 run, c, decode=not sink.settings.ids_only, tokenizer_path=sink.tokenizer_path or sink.config.get(

@@ -69,45 +69,71 @@ def probe_layout(write: CacheWriter, heads: int, block_size: int, head_dim: int,
 
 
 def fill_holes(keep: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src, dst)`` slots [m] that put the kept slots ``keep`` [kept] into slots ``0..kept-1``: kept slots
-    past ``kept`` move into the holes below it, in order."""
-    keep = keep.sort().values
-    below = torch.zeros(kept, dtype=torch.bool, device=keep.device)
-    low = keep[keep < kept]
-    below[low] = True
-    holes = (~below).nonzero().flatten()
-    src = keep[keep >= kept]
-    return src, holes
+    """``(src, dst)`` slots ``[..., m]`` that put the kept slots ``keep`` ``[..., kept]`` (any order) of each row
+    into slots ``0..kept-1``: kept slots past ``kept`` move into the holes below it, in order. Rows that move
+    fewer than ``m`` (the most any row moves) are padded with copies of a kept slot onto itself."""
+    lead = keep.shape[:-1]
+    keep = keep.reshape(-1, keep.shape[-1]).sort(dim=-1).values  # [R, kept]
+    low = keep < kept
+    below = torch.zeros(keep.shape[0], kept + 1, dtype=torch.bool, device=keep.device)
+    below.scatter_(1, torch.where(low, keep, kept), True)
+    moved = (~low).sum(dim=-1, keepdim=True)  # [R, 1]: holes = kept slots past ``kept``
+    m = int(moved.max()) if moved.numel() else 0
+    # holes first (ascending), then the kept slots below ``kept``: the padding copies one onto itself
+    dst = torch.argsort(below[:, :kept].to(torch.int8), dim=1, stable=True)[:, :m]
+    i = torch.arange(m, device=keep.device)
+    src = keep.gather(1, (kept - moved + i).clamp(max=kept - 1)) if m else dst
+    src = torch.where(i < moved, src, dst)
+    return src.reshape(*lead, m), dst.reshape(*lead, m)
 
 
 def move_slots(kv: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                layout: BlockLayout) -> None:
-    """Copy token slots ``src`` [m] to ``dst`` [m] of one request in one layer's cache ``kv``
-    ``[num_blocks, H, block_size, 2D]`` (all KV heads), through its ``block_ids`` [n_blocks]."""
+    """Copy token slots ``src`` to ``dst`` (``[m]`` for every KV head, or ``[H, m]`` one row per head) of one
+    request in one layer's cache ``kv`` ``[num_blocks, H, block_size, 2D]``, through its ``block_ids`` [n_blocks]."""
     if src.numel() == 0:
         return
     blocks, heads = kv.shape[0], kv.shape[1]
     flat = kv.view(blocks, heads, -1)
     size = layout.block_size
     index = layout.index.to(kv.device)
+    src, dst = src.to(kv.device).reshape(-1, src.shape[-1]), dst.to(kv.device).reshape(-1, dst.shape[-1])
     head = torch.arange(heads, device=kv.device)[:, None, None]
-    src_at = (block_ids[src // size][None, :, None], head, index[src % size][None])
-    values = flat[src_at]  # [H, m, 2D]: read everything before writing
-    flat[block_ids[dst // size][None, :, None], head, index[dst % size][None]] = values
+    values = flat[block_ids[src // size][..., None], head, index[src % size]]  # [H, m, 2D]: read all, then write
+    flat[block_ids[dst // size][..., None], head, index[dst % size]] = values
 
 
 def compact(kvs: list[torch.Tensor], block_ids: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor],
             layout: BlockLayout) -> None:
     """Carry out ``moves`` (:func:`fill_holes`) for one request in every layer's cache of ``kvs`` (one KV-cache
-    group, one block table ``block_ids``): afterwards its kept slots are slots ``0..kept-1``."""
+    group, one block table ``block_ids``): afterwards its kept slots are slots ``0..kept-1``. ``moves`` are
+    ``[m]`` or ``[H, m]`` (every layer alike) or ``[layers, H, m]`` (one row per layer)."""
     src, dst = moves
-    for kv in kvs:
-        move_slots(kv, block_ids, src, dst, layout)
+    for i, kv in enumerate(kvs):
+        if src.dim() == 3:
+            move_slots(kv, block_ids, src[i], dst[i], layout)
+        else:
+            move_slots(kv, block_ids, src, dst, layout)
 
 
 def kept_positions(positions: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor], kept: int) -> torch.Tensor:
-    """The slot-to-position map [kept] after :func:`compact` of a request whose map was ``positions`` [n]."""
+    """A per-slot map ``[..., kept]`` (positions, scores, a policy's state) after :func:`compact` of a request
+    whose map was ``positions`` ``[..., n]`` (``moves`` ``[..., m]``, broadcast over the leading axes)."""
     src, dst = moves
-    out = positions[:kept].clone()
-    out[dst] = positions[src]
+    src, dst = src.expand(*positions.shape[:-1], src.shape[-1]), dst.expand(*positions.shape[:-1], dst.shape[-1])
+    out = positions[..., :kept].clone()
+    out.scatter_(-1, dst, positions.gather(-1, src))
     return out
+
+
+def read_slots(kv: torch.Tensor, block_ids: torch.Tensor, n: int, layout: BlockLayout,
+               values: bool = False) -> torch.Tensor:
+    """The keys (or ``values``) ``[H, n, D]`` of one request's first ``n`` slots in one layer's cache ``kv``."""
+    size = layout.block_size
+    used = -(-n // size)
+    d = layout.index.shape[1] // 2
+    blocks = kv[block_ids[:used].to(kv.device)]  # [used, H, size, 2D]: whole blocks, one copy
+    flat = blocks.view(used, blocks.shape[1], -1)
+    channels = layout.index.to(kv.device)[:, d:] if values else layout.index.to(kv.device)[:, :d]  # [size, D]
+    out = flat[:, :, channels]  # [used, H, size, D]
+    return out.permute(1, 0, 2, 3).reshape(blocks.shape[1], used * size, d)[:, :n]

@@ -51,6 +51,11 @@ class VllmMetrics:
         self.window_freed_bytes = Counter(P + "window_freed_bytes", "Bytes of the KV blocks vLLM's "
                                           "sliding-window groups freed while their requests ran.", ["engine"],
                                           registry=r)
+        self.evicted_tokens = Counter(P + "evicted_tokens", "Tokens SparSEEty's eviction policies removed from "
+                                      "running requests' KV inside vLLM's paged cache (per layer: a token evicted "
+                                      "from every layer counts once).", ["engine", "policy"], registry=r)
+        self.evicted_freed_blocks = Counter(P + "evicted_freed_blocks", "KV blocks those evictions gave back to "
+                                            "vLLM's pool while their requests ran.", ["engine", "policy"], registry=r)
         self.trace_traced = Counter(P + "trace_records_traced", "Trace records handed to the writer.",
                                     registry=r)
         self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records dropped because a queue "

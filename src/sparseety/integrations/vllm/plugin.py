@@ -75,7 +75,7 @@ def register() -> None:
         if on["finished-requests"]:
             _patch_finished(output_processor)
         _patch_attention(loud)
-        eviction_hooks.install(loud)
+        eviction_hooks.install(loud, send=_send)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
 

@@ -43,6 +43,7 @@ class RequestTable:
         self.owners: OrderedDict[str, list[int]] = OrderedDict()  #: ``[API server, start forwarded]``
         self.route_owners: OrderedDict[str, int] = OrderedDict()  #: API server, for the MoE routing's forward
         self.window_frees: OrderedDict[str, list[list[int]]] = OrderedDict()  #: ``[computed, group, blocks]``
+        self.evictions: OrderedDict[str, list] = OrderedDict()  #: ``on_evict``'s fields
         self.groups: list[KVGroup] | None = None  #: the KV-cache groups, from the first engine core that sent them
         self.dropped = 0  #: requests whose records were dropped (a table was full), or forwards that did not fit
 
@@ -81,6 +82,23 @@ class RequestTable:
             held[2] += sum(int(n) * groups[int(g)].block_bytes for _, g, n in frees if int(g) < len(groups))
             self._entry(self.window_frees, req_id, list).extend([int(c), int(g), int(n)] for c, g, n in frees)
 
+    def on_evict(self, records: list) -> None:
+        """``[request id, policy, budget, evicted tokens per layer, freed blocks, compactions, peak tokens, evicted
+        slots, failure]`` when a request that evicted inside vLLM's KV cache finished (``kv-eviction`` hook; the
+        slots are rows of step, layer, kv head, position, score, recorded when the trace is at tier 1 or more)."""
+        for req_id, *fields in records:
+            self._entry(self.evictions, req_id, list)[:] = fields
+
+    def take_eviction(self, internal_id: str) -> dict | None:
+        """A finished request's eviction inside vLLM's KV cache (None: it evicted nothing), forgetting it."""
+        fields = self.evictions.pop(internal_id, None)
+        if not fields:
+            return None
+        policy, budget, evicted, freed, compactions, peak, slots, failure = fields
+        return {"policy": str(policy), "budget": int(budget), "evicted_tokens_per_layer": int(evicted),
+                "freed_blocks": int(freed), "compactions": int(compactions), "peak_tokens": int(peak),
+                "failure": failure, "slots": slots}
+
     def on_groups(self, records: list) -> None:
         """``[[-1, [[group, window, block bytes, kv heads, layers], ...]]]`` (once per engine core)."""
         for _, groups in records:
@@ -114,7 +132,8 @@ class SchedulerConsumer:
         self.table = table
         self._stop = stop
         self._handlers = {"chunk": table.on_chunks, "draft": table.on_drafts, "kv": table.on_kv_blocks,
-                          "owner": table.on_owners, "window": table.on_window, "groups": table.on_groups}
+                          "owner": table.on_owners, "window": table.on_window, "groups": table.on_groups,
+                          "evict": table.on_evict}
         self.thread = threading.Thread(target=self._run, name="sparseety-vllm-chunks", daemon=True)
         self.thread.start()
 

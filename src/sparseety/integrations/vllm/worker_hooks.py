@@ -342,7 +342,7 @@ def wrap_backends(state: WorkerCapture) -> None:
 def _wrap_impl(cls: type) -> bool:
     """Wrap ``cls.forward`` after :func:`.adapter.check_class` (``forward(layer, query, key, value,
     kv_cache, attn_metadata, ...)`` and the attributes the capture reads)."""
-    if adapter.installed(cls, "forward"):
+    if adapter.installed(cls, "forward", HOOK_ATTENTION):
         return True
     if not adapter.check_class(cls):
         return False

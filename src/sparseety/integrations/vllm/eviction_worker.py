@@ -1,0 +1,192 @@
+"""The worker's side of eviction inside vLLM's paged KV cache: which requests evict, their scores, the compactions.
+
+Per forward (``_model_forward``), :meth:`WorkerEviction.plan` finds the rows of each evicting request; inside the
+attention backend's ``forward`` of every layer, :meth:`WorkerEviction.layer` hands them to the request's
+:class:`~.eviction_slots.EvictingRequest`, which scores the slots it holds with the own engine's policy, reading
+keys (and values) out of vLLM's cache through the probed layout. Before a step's inputs are prepared
+(``_update_states``), :meth:`WorkerEviction.before_update` carries out the scheduler's orders: the kept slots of
+every layer and KV head move into the first slots (:func:`.kv_compaction.compact`) and the request's block list
+and batch row are cut to the blocks it still holds.
+
+Which requests evict is decided here from the same settings and ``vllm_xargs`` the scheduler reads
+(:meth:`.EvictionSettings.for_request`), so both sides agree without a message. A scoring failure makes the
+compaction fall back to keeping the newest tokens (counted, warned once per request); the engine is never stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sparseety.errors import ConfigError
+from sparseety.integrations.vllm import adapter
+from sparseety.integrations.vllm.eviction_ledger import Compaction
+from sparseety.integrations.vllm.eviction_settings import EvictionSettings
+from sparseety.integrations.vllm.eviction_slots import EvictingRequest
+from sparseety.integrations.vllm.kv_compaction import BlockLayout, compact, probe_layout, read_slots
+
+log = logging.getLogger("sparseety.vllm")
+
+
+def _tracing() -> bool:
+    """Whether evicted slots are recorded: a trace store at tier 1 or more (the observer's settings)."""
+    from sparseety.integrations.vllm.settings import parse_settings
+
+    settings = parse_settings()
+    return bool(settings.trace_dir) and not settings.problems and settings.tier >= 1
+
+
+class WorkerEviction:
+    """The worker process's evicting requests, the layers' caches and their probed layout."""
+
+    def __init__(self, settings: EvictionSettings) -> None:
+        self.settings = settings
+        self.requests: dict[str, EvictingRequest | None] = {}  #: decided requests (None: dense)
+        self.policies: dict[tuple, Any] = {}
+        self.offsets: dict[str, int] = {}  #: this step's logical minus physical tokens per request
+        self.groups: list[tuple[list[torch.Tensor], int, Any]] | None = None  #: per group: caches, block size, layer
+        self.layouts: list[BlockLayout] = []
+        self.layer_index: dict[str, tuple[int, int, int]] = {}  #: layer name -> (global, group, index in group)
+        self.kv_heads = 0
+        self.step: list[tuple[EvictingRequest, int, int, int, int, list[torch.Tensor]]] = []
+        self.fallbacks = 0
+        self.trace = _tracing()
+        self.failed: dict[str, str] = {}  #: requests whose compaction fell back, for the scheduler (once each)
+
+    # -- the model's layers --------------------------------------------------------------------------------
+    def ensure_layers(self, runner: Any) -> None:
+        """Read the layers' caches and probe each group's layout (once)."""
+        if self.groups is not None:
+            return
+        groups = adapter.group_caches(runner)
+        names = adapter.group_layer_names(runner)
+        for g, (caches, block_size, layer) in enumerate(groups):
+            write = None if layer is None else adapter.cache_writer(layer)
+            kv = caches[0]
+            layout = None if write is None else probe_layout(write, kv.shape[1], block_size, kv.shape[3] // 2, kv.dtype)
+            if layout is None:
+                raise RuntimeError(f"the KV-cache layout of {type(getattr(layer, 'impl', None)).__name__} could not "
+                                   "be probed")
+            self.layouts.append(layout)
+            for i, name in enumerate(names[g]):
+                self.layer_index[name] = (len(self.layer_index), g, i)
+            self.kv_heads = int(kv.shape[1])
+        self.groups = groups
+
+    def decide(self, runner: Any, rid: str) -> EvictingRequest | None:
+        """Whether ``rid`` evicts (once), as the scheduler decided it."""
+        if rid in self.requests:
+            return self.requests[rid]
+        known = adapter.new_request(runner, rid)
+        request = None
+        if known is not None:
+            try:
+                asked = self.settings.for_request(known[1], known[0])
+            except ConfigError:
+                asked = None  # the scheduler warned and runs it dense
+            if asked is not None:
+                from sparseety.policies.registry import build_policy
+
+                key = asked.key()
+                if key not in self.policies:
+                    self.policies[key] = build_policy(asked.policy, asked.budget, asked.options)
+                request = EvictingRequest(rid, self.policies[key], known[0], len(self.layer_index), self.kv_heads,
+                                          trace=self.trace)
+        self.requests[rid] = request
+        return request
+
+    def reader(self, blocks: list[torch.Tensor]) -> Any:
+        """``read(layer, n, values)``: a request's first ``n`` keys (or values) ``[kv_heads, n, D]`` in ``layer``."""
+        assert self.groups is not None
+        by_global = {g_index: (g, i) for g_index, g, i in self.layer_index.values()}
+
+        def read(layer: int, n: int, values: bool) -> torch.Tensor:
+            g, i = by_global[layer]
+            return read_slots(self.groups[g][0][i], blocks[g], n, self.layouts[g], values)
+        return read
+
+    # -- one forward -----------------------------------------------------------------------------------------
+    def plan(self, runner: Any, positions: Any) -> None:
+        """This forward's rows ``[s, e)`` of each evicting request, the position after its last row and the slots
+        it will hold."""
+        self.step = []
+        rids = adapter.batch_requests(runner)
+        if not rids:
+            return
+        self.ensure_layers(runner)
+        starts = adapter.query_starts(runner)
+        flat = positions if positions.dim() == 1 else positions[0]
+        for index, rid in enumerate(rids):
+            request = self.decide(runner, rid)
+            s, e = int(starts[index]), int(starts[index + 1])
+            if request is None or e <= s:
+                continue
+            end = int(flat[e - 1]) + 1
+            blocks = [torch.tensor(b, dtype=torch.int64) for b in adapter.request_blocks(runner, rid) or []]
+            self.step.append((request, s, e, end, end - self.offsets.get(rid, 0), blocks))
+
+    def layer(self, attn_layer: Any, query: Any, shape: Any) -> None:
+        """Inside one layer's ``forward``: score each evicting request's slots from its new query rows."""
+        found = self.layer_index.get(adapter.layer_name(attn_layer))
+        if found is None:
+            return
+        for request, s, e, end, n, blocks in self.step:
+            rows = query[s:e].view(e - s, shape.num_heads, -1)
+            try:
+                request.observe(found[0], rows, end, n, shape.scale, self.reader(blocks))
+            except Exception as exc:  # its compaction falls back to the newest tokens
+                request.failure = request.failure or f"scoring failed: {exc!r}"
+
+    def after_forward(self) -> None:
+        for request, _s, _e, end, _n, _blocks in self.step:
+            request.finish_forward(end)
+        self.step = []
+
+    def outbox(self) -> dict[str, Any] | None:
+        """What the scheduler learns after this step (on the ``ModelRunnerOutput``): each request's evicted slots
+        since the last step (rows of step, layer, kv head, position, score) and the requests whose compaction
+        fell back; None when there is nothing."""
+        evicted = {rid: rows for rid, r in self.requests.items() if r is not None and (rows := r.take_evicted())}
+        if not evicted and not self.failed:
+            return None
+        failed, self.failed = self.failed, {}
+        return {"evicted": evicted, "failed": failed}
+
+    # -- compactions, before a step ------------------------------------------------------------------------------
+    def before_update(self, runner: Any, message: dict[str, Any] | None, finished: Any) -> None:
+        for rid in finished:
+            self.requests.pop(rid, None)
+        self.offsets = dict(message["offset"]) if message else {}
+        for rid in message.get("reset", ()) if message else ():
+            request = self.requests.get(rid)
+            if request is not None:
+                request.reset()
+        for item in message["compact"] if message else ():
+            self.carry_out(runner, Compaction(*item))
+
+    def carry_out(self, runner: Any, order: Compaction) -> None:
+        """Keep ``order.kept`` of the request's slots in every layer, in place, and cut its blocks."""
+        request = self.requests.get(order.rid)
+        block_lists = adapter.request_blocks(runner, order.rid)
+        if request is None or block_lists is None:
+            return
+        self.ensure_layers(runner)
+        assert self.groups is not None
+        blocks = [torch.tensor(b, dtype=torch.int64) for b in block_lists]
+        src, dst = request.moves(order.logical, order.physical, order.kept, self.reader(blocks))
+        if request.failure is not None and not request.warned:
+            request.warned = True
+            self.fallbacks += 1
+            self.failed[order.rid] = request.failure
+            log.warning("sparseety: request %s keeps its newest tokens instead of %s's choice: %s", order.rid,
+                        request.policy.name, request.failure)
+        start = 0
+        for g, (caches, block_size, _layer) in enumerate(self.groups):
+            stop = start + len(caches)
+            compact(caches, blocks[g], (src[start:stop], dst[start:stop]), self.layouts[g])
+            start = stop
+            kept_blocks = -(-order.kept // block_size)
+            del block_lists[g][kept_blocks:]
+            adapter.truncate_row(runner, order.rid, g, kept_blocks)

@@ -1,0 +1,170 @@
+"""SparSEEty's scoring policies inside a real ``vllm serve`` (``SPARSEETY_KV_POLICY=dense``: requests choose with
+``vllm_xargs``): each of ``tova``, ``snapkv``, ``h2o`` and ``streaming`` gives the own engine's greedy tokens at the
+same budget, alone and in one batch with a dense request and the other policies, and its trace holds the slots the
+own engine evicts, step by step, layer by layer and head by head; the dense request gives the own engine's dense
+tokens; a request asking for a policy vLLM cannot run is served dense, with a warning."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_server import VllmServer, require_vllm
+
+pytestmark = pytest.mark.model
+
+BUDGET = 64
+NEW_TOKENS = 32
+POLICIES = ("tova", "snapkv", "h2o", "streaming", "dense")
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def prompts() -> list[str]:
+    """Five prompts of about 150 tokens (more than the budget) from texts that ship on the machine."""
+    return [(LICENSES / name).read_text()[start:start + 650] for name, start in
+            (("GPL-3", 5000), ("Apache-2.0", 4000), ("MPL-2.0", 6000), ("LGPL-3", 1500), ("GPL-2", 3000))]
+
+
+def xargs(policy: str) -> dict:
+    asked = {"sparseety_policy": policy}
+    if policy != "dense":
+        asked["sparseety_budget"] = BUDGET
+    return {"vllm_xargs": asked}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require_vllm()
+    from sparseety.models.registry import resolve_model_dir
+
+    base = tmp_path_factory.mktemp("eviction-policies")
+    env = {"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_INTERVAL": "1", "SPARSEETY_TIER": "2",
+           "SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_IMPORTANCE": "off"}
+    srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log", extra_env=env,
+                     speculative=False).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def tokens(out: dict) -> list[int]:
+    return out["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def alone_responses(server):
+    return {p: server.complete(text, NEW_TOKENS, ignore_eos=True, **xargs(p)) for p, text in zip(POLICIES, prompts())}
+
+
+@pytest.fixture(scope="module")
+def alone(alone_responses):
+    return {p: tokens(out) for p, out in alone_responses.items()}
+
+
+@pytest.fixture(scope="module")
+def batched(server, alone):
+    with concurrent.futures.ThreadPoolExecutor(len(POLICIES)) as pool:
+        outs = pool.map(lambda pt: server.complete(pt[1], NEW_TOKENS, ignore_eos=True, **xargs(pt[0])),
+                        zip(POLICIES, prompts()))
+        return {p: tokens(o) for p, o in zip(POLICIES, outs)}
+
+
+@pytest.fixture(scope="module")
+def own_runs():
+    import sparseety
+
+    model = sparseety.load("smollm2-135m")
+    out = {}
+    for policy, text in zip(POLICIES, prompts()):
+        budget = {} if policy == "dense" else {"budget": BUDGET}
+        out[policy] = model.generate(text, policy=policy, max_new_tokens=NEW_TOKENS, chat=False, **budget)
+    return out
+
+
+@pytest.fixture(scope="module")
+def own(own_runs):
+    return {p: list(run.output_ids) for p, run in own_runs.items()}
+
+
+@pytest.fixture(scope="module")
+def stored(server, alone_responses):
+    """The stored record and evicted slots of each request served alone (once the observer wrote them)."""
+    from sparseety.store import connect
+
+    ids = {r["id"] + "-0": p for p, r in alone_responses.items()}
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            con = connect(server.trace_dir)
+            rows = con.sql("SELECT request_id, policy, budget, evicted_positions, eviction_events, "
+                           "kv_cache_bytes_peak, kv_cache_bytes_dense, extra_json FROM requests").fetchall()
+            found = {ids[r[0]]: {"policy": r[1], "budget": r[2], "evicted_positions": r[3], "eviction_events": r[4],
+                                 "peak": r[5], "dense": r[6], "vllm": json.loads(r[7])["vllm"],
+                                 "slots": {tuple(e) for e in con.sql(
+                                     "SELECT step, layer, kv_head, position FROM token_events WHERE request_id = ? "
+                                     "AND event = 'evicted'", params=[r[0]]).fetchall()}}
+                     for r in rows if r[0] in ids}
+            if len(found) == len(ids):
+                return found
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"records of {sorted(ids)} not stored:\n{server.log_tail()}")
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_alone_equals_the_own_engine(policy, alone, own):
+    assert alone[policy] == own[policy]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_in_a_mixed_batch_equals_the_own_engine(policy, batched, own):
+    assert batched[policy] == own[policy]
+
+
+def test_eviction_changes_the_tokens(server, own):
+    import sparseety
+
+    model = sparseety.load("smollm2-135m")
+    text = prompts()[0]
+    dense = list(model.generate(text, policy="dense", max_new_tokens=NEW_TOKENS, chat=False).output_ids)
+    assert dense != own["tova"]  # the comparison above could fail: eviction is visible in these tokens
+
+
+def test_a_policy_vllm_cannot_run_is_served_dense_with_a_warning(server, alone):
+    text = prompts()[-1]
+    out = server.complete(text, NEW_TOKENS, ignore_eos=True,
+                          vllm_xargs={"sparseety_policy": "kvzip", "sparseety_budget": BUDGET})
+    assert tokens(out) == alone["dense"]
+    assert "sparseety_policy='kvzip' cannot run inside vLLM" in server.log_tail(400)
+
+
+@pytest.mark.parametrize("policy", POLICIES[:-1])
+def test_the_trace_holds_the_slots_the_own_engine_evicts(policy, stored, own_runs):
+    record = stored[policy]
+    # the own engine also evicts after the last forward; vLLM stops with the request (nothing to free)
+    last = NEW_TOKENS - 2
+    own_slots = {(e["step"], e["layer"], e["kv_head"], e["position"]) for e in own_runs[policy].events()
+                 if e["event"] == "evicted" and e["step"] <= last}
+    assert own_slots and record["slots"] == own_slots
+    assert (record["policy"], record["budget"]) == (policy, BUDGET)
+    assert record["eviction_events"] == len(record["slots"])
+    assert record["evicted_positions"] == len({s[3] for s in record["slots"]})
+    eviction = record["vllm"]["eviction"]
+    assert eviction["failure"] is None and eviction["compactions"] == NEW_TOKENS - 1
+    assert record["peak"] < record["dense"]
+
+
+def test_prometheus_counts_the_evicted_tokens_and_freed_blocks(server, stored):
+    metrics = server.metrics()
+    per_layer = sum(r["vllm"]["eviction"]["evicted_tokens_per_layer"] for r in stored.values() if r["vllm"]["eviction"])
+    assert metrics["sparseety:evicted_tokens_total"] >= per_layer > 0
+    assert metrics["sparseety:evicted_freed_blocks_total"] >= sum(
+        r["vllm"]["eviction"]["freed_blocks"] for r in stored.values() if r["vllm"]["eviction"]) > 0
+    assert stored["dense"]["vllm"]["eviction"] is None
