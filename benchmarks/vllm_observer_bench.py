@@ -49,12 +49,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, name: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, model: str, name: str, env: dict[str, str], log_dir: Path,
+                 extra_args: list[str] | None = None) -> None:
+        """``extra_args`` come last, so they override the flags above (argparse keeps an option's last value)."""
         self.model, self.name, self.port = model, name, free_port()
         kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                          "endpoint": f"tcp://127.0.0.1:{free_port()}"})
         args = [str(VLLM), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048", "--kv-events-config", kv]
+                "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048", "--kv-events-config", kv,
+                *(extra_args or [])]
         full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")},
                     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **env}
         self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115
@@ -73,9 +76,9 @@ class Server:
                 time.sleep(0.5)
         raise SystemExit(f"{self.name}: vllm serve did not start")
 
-    def complete(self, prompt: str, max_tokens: int) -> int:
+    def complete(self, prompt: str | list[int], max_tokens: int, xargs: dict | None = None) -> int:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True}).encode()
+                           "ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
                                          headers={"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:

@@ -80,3 +80,46 @@ def test_a_setting_vllm_cannot_honour_stops_it_at_start(tmp_path):
         srv.stop()
     assert "SPARSEETY_KV_POLICY='kvzip' cannot run inside vLLM: kvzip scores from a reconstruction pass" in \
         srv.log_tail(200)
+
+
+def test_a_preempted_evicting_request_resumes_and_evicts_again(server, outputs):
+    """Two dense requests (``vllm_xargs``) outgrow the 32 blocks beside one evicting request: vLLM preempts the
+    newest running request, the evicting one; it recomputes from its prompt after the dense ones finish, is
+    evicted again, and every request gives the own engine's tokens up to its preemption."""
+    import json
+    import time
+
+    import sparseety
+    from sparseety.store import connect
+
+    short = [(LICENSES / "GPL-2").read_text()[1000:1450], (LICENSES / "LGPL-2.1").read_text()[1000:1450]]
+    long = (LICENSES / "Artistic").read_text()[0:1400]
+    before = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        dense = [pool.submit(server.complete, t, 400, ignore_eos=True, vllm_xargs={"sparseety_policy": "dense"})
+                 for t in short]
+        deadline = time.monotonic() + 60
+        while server.metrics().get("vllm:num_requests_running", 0.0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        evicting = pool.submit(server.complete, long, 420, ignore_eos=True).result()
+        dense_out = [f.result() for f in dense]
+    assert server.metrics()["vllm:num_preemptions_total"] > before, server.log_tail()
+    rid = evicting["id"] + "-0"
+    deadline = time.monotonic() + 120
+    while True:
+        rows = dict(connect(server.trace_dir).sql("SELECT request_id, extra_json FROM requests").fetchall())
+        if rid in rows:
+            break
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(1)
+    info = json.loads(rows[rid])["vllm"]
+    assert info["num_preemptions"] >= 1 and info["preempted_at_output_tokens"][0] >= COMPARED
+    assert info["eviction"]["compactions"] >= 1  # evicted again after resuming
+    assert info["eviction"]["failure"] is None and evicting["usage"]["completion_tokens"] == 420
+    model = sparseety.load("smollm2-135m")
+    upto = min(COMPARED, info["preempted_at_output_tokens"][0])
+    own = model.generate(long, policy="streaming", budget=BUDGET, max_new_tokens=upto, chat=False)
+    assert evicting["choices"][0]["token_ids"][:upto] == list(own.output_ids)
+    for text, out in zip(short, dense_out):
+        own_dense = model.generate(text, policy="dense", max_new_tokens=COMPARED, chat=False)
+        assert out["choices"][0]["token_ids"][:COMPARED] == list(own_dense.output_ids)

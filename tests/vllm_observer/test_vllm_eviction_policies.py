@@ -2,12 +2,20 @@
 ``vllm_xargs``): each of ``tova``, ``snapkv``, ``h2o`` and ``streaming`` gives the own engine's greedy tokens at the
 same budget, alone and in one batch with a dense request and the other policies, and its trace holds the slots the
 own engine evicts, step by step, layer by layer and head by head; the dense request gives the own engine's dense
-tokens; a request asking for a policy vLLM cannot run is served dense, with a warning."""
+tokens; a request asking for a policy vLLM cannot run is served dense, with a warning. The prompts are prefilled in
+two chunks (128 tokens a step), so ``snapkv``'s window and ``h2o``'s column sums are carried over chunks.
+
+One request's failed eviction is its own: a fault injected into the scoring of one request (through a
+``sitecustomize`` the worker imports, keyed on that request's prompt length) makes that request keep its newest
+tokens once and then stop evicting, with one warning; the request beside it in the same batch still gives the own
+engine's tokens, and vLLM goes on serving."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -21,6 +29,32 @@ BUDGET = 64
 NEW_TOKENS = 32
 POLICIES = ("tova", "snapkv", "h2o", "streaming", "dense")
 LICENSES = Path("/usr/share/common-licenses")
+
+
+FAULTY = (LICENSES / "GPL-3").read_text()[8000:8900]  #: a prompt whose scoring fails (its length is unique)
+SITECUSTOMIZE = """
+import os
+_LEN = int(os.environ.get("SPARSEETY_TEST_FAULT_PROMPT_LEN", "0"))
+if _LEN:
+    from sparseety.integrations.vllm import eviction_slots
+
+    _observe = eviction_slots.EvictingRequest.observe
+
+    def observe(self, *args, **kwargs):
+        if self.prompt_len == _LEN:
+            raise RuntimeError("injected fault")
+        return _observe(self, *args, **kwargs)
+
+    eviction_slots.EvictingRequest.observe = observe
+"""
+
+
+def token_count(text: str) -> int:
+    from transformers import AutoTokenizer
+
+    from sparseety.models.registry import resolve_model_dir
+
+    return len(AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"))(text)["input_ids"])
 
 
 def prompts() -> list[str]:
@@ -42,8 +76,14 @@ def server(tmp_path_factory):
     from sparseety.models.registry import resolve_model_dir
 
     base = tmp_path_factory.mktemp("eviction-policies")
+    faulty = token_count(FAULTY)
+    assert faulty not in {token_count(p) for p in prompts()}
+    site = base / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
     env = {"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_INTERVAL": "1", "SPARSEETY_TIER": "2",
-           "SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_IMPORTANCE": "off"}
+           "SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_IMPORTANCE": "off", "SPARSEETY_TEST_FAULT_PROMPT_LEN": str(faulty),
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log", extra_env=env,
                      speculative=False).start()
     try:
@@ -159,6 +199,7 @@ def test_the_trace_holds_the_slots_the_own_engine_evicts(policy, stored, own_run
     eviction = record["vllm"]["eviction"]
     assert eviction["failure"] is None and eviction["compactions"] == NEW_TOKENS - 1
     assert record["peak"] < record["dense"]
+    assert len(record["vllm"]["prefill_chunks"]) == 2  # the window and column sums crossed a chunk
 
 
 def test_prometheus_counts_the_evicted_tokens_and_freed_blocks(server, stored):
@@ -168,3 +209,43 @@ def test_prometheus_counts_the_evicted_tokens_and_freed_blocks(server, stored):
     assert metrics["sparseety:evicted_freed_blocks_total"] >= sum(
         r["vllm"]["eviction"]["freed_blocks"] for r in stored.values() if r["vllm"]["eviction"]) > 0
     assert stored["dense"]["vllm"]["eviction"] is None
+
+
+@pytest.fixture(scope="module")
+def faulty(server, stored):
+    """The faulty request and a ``tova`` request beside it, at once (after the other tests' requests)."""
+    pair = [(FAULTY, "tova"), (prompts()[0], "tova")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda tp: server.complete(tp[0], NEW_TOKENS, ignore_eos=True, **xargs(tp[1])), pair))
+
+
+def test_the_neighbour_of_a_failing_request_gives_the_own_engines_tokens(faulty, own):
+    import sparseety
+
+    assert tokens(faulty[1]) == own["tova"]
+    model = sparseety.load("smollm2-135m")
+    assert tokens(faulty[0]) != list(model.generate(FAULTY, policy="tova", budget=BUDGET, max_new_tokens=NEW_TOKENS,
+                                                    chat=False).output_ids)
+    assert all(o["usage"]["completion_tokens"] == NEW_TOKENS for o in faulty)
+
+
+def test_the_failure_is_warned_once_recorded_and_vllm_goes_on(server, faulty):
+    log = server.log_tail(3000)
+    assert log.count("stops evicting") == 1 and "injected fault" in log
+    assert server.complete(prompts()[1], 4, **xargs("snapkv"))["usage"]["completion_tokens"] == 4
+    from sparseety.store import connect
+
+    failing, neighbour = faulty[0]["id"] + "-0", faulty[1]["id"] + "-0"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            rows = connect(server.trace_dir).sql("SELECT request_id, extra_json FROM requests").fetchall()
+            found = {r[0]: json.loads(r[1]).get("vllm", {}).get("eviction") for r in rows}
+            if failing in found and neighbour in found:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(1)
+    assert "injected fault" in found[failing]["failure"] and found[failing]["compactions"] == 1
+    assert found[neighbour]["failure"] is None and found[neighbour]["compactions"] == NEW_TOKENS - 1

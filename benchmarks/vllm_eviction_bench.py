@@ -1,0 +1,157 @@
+"""Eviction inside vLLM's paged KV cache against dense vLLM, side by side in one run (issue 40's figures).
+
+Two ``vllm serve`` processes of the side venv on the default model, one after the other, with the same flags and
+the same KV cache of ``N x ceil((prompt + new) / 32)`` blocks of 32 tokens (prefix caching off, so neither side
+reads another request's prompt): dense, and ``SPARSEETY_KV_POLICY=streaming SPARSEETY_KV_BUDGET=512``.
+
+- **Capacity and throughput**: ``--requests`` distinct prompts of ``--prompt`` tokens (license texts that ship on
+  the machine) ask ``--new`` tokens each, all at once; vLLM's ``vllm:num_requests_running`` is read every 0.25 s
+  (the most at once; target: evicting >= 4N) and output tokens per wall second are counted (target >= 1.5x dense).
+- **Decode on a long prompt**: one ``--long``-token prompt at ``--long-budget`` (``sparseety_budget`` of
+  ``vllm_xargs``), decode tokens per second from two requests (1 and ``1 + --decode`` new tokens: the difference
+  is decode alone; target >= 1.3x dense).
+
+    .venv/bin/python benchmarks/vllm_eviction_bench.py [--n 2] [--requests 10] [--prompt 4096] [--new 256]
+        [--long 7000] [--long-budget 1024] [--decode 128] [--out benchmarks/results/vllm_eviction/vllm_eviction.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_observer_bench import ROOT, VLLM, Server  # noqa: E402
+
+BLOCK = 32
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def token_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` distinct prompts of ``length`` token ids from the license texts (each from its own offset)."""
+    text = "\n\n".join((LICENSES / name).read_text() for name in sorted(os.listdir(LICENSES))
+                       if (LICENSES / name).is_file())
+    ids = tokenizer(text)["input_ids"]
+    step = max(1, (len(ids) - length) // max(1, count))
+    if len(ids) < length + count:
+        raise SystemExit(f"the license texts hold {len(ids)} tokens: too few for {count} prompts of {length}")
+    return [ids[i * step: i * step + length] for i in range(count)]
+
+
+def running_now(server: Server) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def load(server: Server, prompts: list[list[int]], new: int) -> dict[str, float]:
+    """All ``prompts`` at once: the most requests vLLM ran at once, and output tokens per wall second."""
+    peak, stop = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], running_now(server))
+            except OSError:
+                pass
+            stop.wait(0.25)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(lambda p: server.complete(p, new), prompts))
+    wall = time.perf_counter() - start
+    stop.set()
+    watcher.join()
+    return {"running_peak": peak[0], "output_tokens": tokens, "wall_s": round(wall, 2),
+            "output_tokens_per_s": round(tokens / wall, 3)}
+
+
+def decode_rate(server: Server, prompt: list[int], decode: int, xargs: dict | None) -> dict[str, float]:
+    """Decode tokens per second of one request on ``prompt`` (two requests: 1 and ``1 + decode`` new tokens)."""
+    timed = []
+    for new in (1, 1 + decode):
+        start = time.perf_counter()
+        server.complete(prompt, new, xargs)
+        timed.append(time.perf_counter() - start)
+    return {"prefill_s": round(timed[0], 3), "decode_s": round(timed[1] - timed[0], 3),
+            "decode_tokens_per_s": round(decode / (timed[1] - timed[0]), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2, help="requests dense vLLM's KV cache holds at once")
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--long", type=int, default=7000)
+    parser.add_argument("--long-budget", type=int, default=1024)
+    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vllm_eviction/vllm_eviction.json")
+    args = parser.parse_args()
+    if not VLLM.is_file():
+        raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
+    sys.path.insert(0, str(ROOT / "src"))
+    from transformers import AutoTokenizer
+
+    from sparseety.models.registry import resolve_model_dir
+
+    model = resolve_model_dir("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = token_prompts(tokenizer, args.requests, args.prompt)
+    long_prompt = token_prompts(tokenizer, 1, args.long)[0]
+    blocks = args.n * -(-(args.prompt + args.new) // BLOCK)
+    if blocks * BLOCK < args.long + args.decode + 1:
+        raise SystemExit(f"{blocks} blocks cannot hold the --long prompt: raise --n or lower --long")
+    flags = ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks), "--no-enable-prefix-caching",
+             "--max-model-len", str(max(args.prompt + args.new, args.long + args.decode + 1)),
+             "--max-num-seqs", str(max(16, args.requests)), "--max-num-batched-tokens", "2048"]
+    work = Path(tempfile.mkdtemp(prefix="vllm-eviction-bench-"))
+    sides = {"dense": {}, "streaming": {"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": str(args.budget)}}
+    figures: dict[str, dict] = {}
+    for name, env in sides.items():
+        server = Server(model, name, env, work, extra_args=flags)
+        try:
+            server.wait()
+            server.complete(prompts[0][:64], 2)  # warm up
+            figures[name] = {"load": load(server, prompts, args.new)}
+            print(name, "load", figures[name]["load"], flush=True)
+            xargs = {"sparseety_budget": args.long_budget} if name == "streaming" else None  # asked per request
+            figures[name]["decode"] = decode_rate(server, long_prompt, args.decode, xargs)
+            print(name, "decode", figures[name]["decode"], flush=True)
+        finally:
+            server.stop()
+    dense, evicting = figures["dense"], figures["streaming"]
+    targets = {
+        "running_vs_n": (evicting["load"]["running_peak"] / args.n, ">=", 4.0),
+        "dense_running_vs_n": (dense["load"]["running_peak"] / args.n, "<=", 1.0),
+        "throughput_vs_dense": (evicting["load"]["output_tokens_per_s"] / dense["load"]["output_tokens_per_s"], ">=", 1.5),
+        "long_decode_vs_dense": (evicting["decode"]["decode_tokens_per_s"] / dense["decode"]["decode_tokens_per_s"],
+                                 ">=", 1.3),
+    }
+    checks = {k: {"value": round(v, 3), "target": f"{op} {t}", "pass": v >= t if op == ">=" else v <= t}
+              for k, (v, op, t) in targets.items()}
+    for key, check in checks.items():
+        print(f"{'PASS' if check['pass'] else 'MISS'}  {key:24s} {check['value']:7.3f}  (target {check['target']})")
+    result = {"benchmark": "vllm_eviction", "command": " ".join(sys.argv), "kv_blocks": blocks, "block_size": BLOCK,
+              "settings": vars(args) | {"out": str(args.out)}, "figures": figures, "targets": checks,
+              "load_average_end": list(os.getloadavg())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
