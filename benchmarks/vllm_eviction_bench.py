@@ -101,6 +101,12 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vllm_eviction/vllm_eviction.json")
     args = parser.parse_args()
+    try:  # a bad --out fails now, not after the servers ran
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a"):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"--out {args.out}: cannot write there ({exc})") from None
     if not VLLM.is_file():
         raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
     sys.path.insert(0, str(ROOT / "src"))
