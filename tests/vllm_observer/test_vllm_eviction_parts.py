@@ -80,10 +80,10 @@ def test_bad_settings_name_the_variable(env, message):
 def test_settings_resolve_budget_ratio_and_options():
     s = parse_eviction({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_RATIO": "0.75",
                         "SPARSEETY_KV_POLICY_OPTS": "sinks=8"})
-    assert s is not None and s.budget_for(400) == 100 and s.options == {"sinks": "8"} and s.interval is None
+    assert s is not None and s.for_request({}, 400).budget == 100 and s.options == {"sinks": "8"} and s.interval is None
     s = parse_eviction({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "64",
                         "SPARSEETY_KV_INTERVAL": "1"})
-    assert s is not None and s.budget_for(400) == 64 and s.options == {} and s.interval == 1
+    assert s is not None and s.for_request({}, 400).budget == 64 and s.options == {} and s.interval == 1
 
 
 def test_ledger_compacts_after_the_prompt_then_every_interval():

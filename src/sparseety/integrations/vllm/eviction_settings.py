@@ -63,14 +63,6 @@ class EvictionSettings:
     interval: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
-    def budget_for(self, prompt_tokens: int) -> int:
-        """Tokens per layer kept for a request with ``prompt_tokens`` prompt tokens."""
-        from sparseety.policies.registry import resolve_budget
-
-        resolved = resolve_budget(self.budget, self.ratio, prompt_tokens)
-        assert resolved is not None
-        return resolved
-
     def for_request(self, extra: Mapping[str, Any] | None, prompt_tokens: int) -> RequestEviction | None:
         """What one request evicts: these settings, or what its ``vllm_xargs`` ask (None: it runs dense).
         Raises :class:`ConfigError` naming the arg when they ask for something that cannot run."""
@@ -153,19 +145,6 @@ def _ratio(raw: Any, name: str) -> float | None:
     return value
 
 
-def _int(env: Mapping[str, str], var: str, minimum: int) -> int | None:
-    raw = env.get(var)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ConfigError(f"{var}={raw!r} is not an integer >= {minimum}")
-    return value
-
-
 def parse_eviction(env: Mapping[str, str] | None = None) -> EvictionSettings | None:
     """The eviction asked for in ``env`` (default ``os.environ``), or None: vLLM runs as without SparSEEty.
     Raises :class:`ConfigError` naming the variable and what is allowed."""
@@ -173,10 +152,10 @@ def parse_eviction(env: Mapping[str, str] | None = None) -> EvictionSettings | N
     policy = (env.get("SPARSEETY_KV_POLICY") or "").strip()
     if policy == "":
         return None
-    interval = _int(env, "SPARSEETY_KV_INTERVAL", 1)
+    interval = _positive_int(env.get("SPARSEETY_KV_INTERVAL"), "SPARSEETY_KV_INTERVAL")
     if policy == "dense":
         return EvictionSettings("dense", interval=interval)
-    budget = _int(env, "SPARSEETY_KV_BUDGET", 1)
+    budget = _positive_int(env.get("SPARSEETY_KV_BUDGET"), "SPARSEETY_KV_BUDGET")
     ratio = None
     raw = env.get("SPARSEETY_KV_RATIO")
     if raw is not None and raw.strip():

@@ -32,6 +32,13 @@ from sparseety.policies.base import Observation, Policy, Signal, select_keep
 SlotReader = Callable[[int, int, bool], torch.Tensor]
 
 
+def _padded(state: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A policy's per-slot state ``[kv_heads, m]`` over ``n >= m`` slots: new slots hold 0, as in the own engine."""
+    if state is None or state.shape[-1] >= n:
+        return state
+    return torch.nn.functional.pad(state, (0, n - state.shape[-1]))
+
+
 @dataclass
 class EvictingRequest:
     """One evicting request on the worker (``layers`` layers of ``kv_heads`` KV heads)."""
@@ -96,12 +103,15 @@ class EvictingRequest:
                read: SlotReader) -> None:
         """A prefill chunk before the prompt's last: keep what the last chunk's signal needs."""
         if signal is Signal.WINDOW:
-            rows = query.transpose(0, 1).float()
-            old = self.window[layer]
-            joined = rows if old is None else torch.cat([old, rows], dim=1)
-            self.window[layer] = joined[:, -self.policy.window_rows():]
+            self.window[layer] = self._window_rows(layer, query)
         elif signal is Signal.COLSUM:
             self.colsum[layer] = self._colsum(layer, query, read(layer, n, False), end, n, scale)
+
+    def _window_rows(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        """``[heads, w, d]`` the prompt's last ``window_rows()`` query rows so far: the carried ones, then ``query``."""
+        rows = query.transpose(0, 1).float()
+        old = self.window[layer]
+        return (rows if old is None else torch.cat([old, rows], dim=1))[:, -self.policy.window_rows():]
 
     def _colsum(self, layer: int, query: torch.Tensor, keys: torch.Tensor, end: int, n: int,
                 scale: float) -> torch.Tensor:
@@ -123,9 +133,7 @@ class EvictingRequest:
             self.colsum[layer] = None
             return group_mean(total[None], self.kv_heads)
         if signal is Signal.WINDOW:
-            rows = query.transpose(0, 1).float()
-            old = self.window[layer]
-            rows = (rows if old is None else torch.cat([old, rows], dim=1))[:, -self.policy.window_rows():]
+            rows = self._window_rows(layer, query)
             self.window[layer] = None
             return group_mean(row_probs(rows[None], keys[None], scale), self.kv_heads)
         last = query[-1:].transpose(0, 1)[None]  # [1, heads, 1, d]
@@ -133,9 +141,7 @@ class EvictingRequest:
 
     def _score(self, layer: int, keys: torch.Tensor, attention: torch.Tensor | None, end: int, n: int,
                prefill: bool, read: SlotReader) -> None:
-        state = self.state[layer]
-        if state is not None and state.shape[-1] < n:  # new slots hold 0, as in the own engine
-            state = torch.nn.functional.pad(state, (0, n - state.shape[-1]))
+        state = _padded(self.state[layer], n)
         obs = Observation(
             layer=layer, num_layers=self.layers, step=max(0, end - self.prompt_len), prefill=prefill,
             positions=self.slot_positions(layer, n, end)[None], keys=keys[None], attention=attention,
@@ -196,9 +202,7 @@ class EvictingRequest:
         self.positions = kept_positions(positions, moves, kept)
         for layer, state in enumerate(self.state):
             if state is not None:
-                if state.shape[-1] < n:
-                    state = torch.nn.functional.pad(state, (0, n - state.shape[-1]))
-                self.state[layer] = kept_positions(state, (moves[0][layer], moves[1][layer]), kept)
+                self.state[layer] = kept_positions(_padded(state, n), (moves[0][layer], moves[1][layer]), kept)
         self.scores = [None] * self.layers
         self.compacted = True
         return moves

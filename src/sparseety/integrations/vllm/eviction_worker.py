@@ -38,6 +38,10 @@ def _tracing() -> bool:
     return bool(settings.trace_dir) and not settings.problems and settings.tier >= 1
 
 
+def _tensors(block_lists: list[list[int]]) -> list[torch.Tensor]:
+    return [torch.tensor(b, dtype=torch.int64) for b in block_lists]
+
+
 class WorkerEviction:
     """The worker process's evicting requests, the layers' caches and their probed layout."""
 
@@ -48,10 +52,10 @@ class WorkerEviction:
         self.offsets: dict[str, int] = {}  #: this step's logical minus physical tokens per request
         self.groups: list[tuple[list[torch.Tensor], int, Any]] | None = None  #: per group: caches, block size, layer
         self.layouts: list[BlockLayout] = []
-        self.layer_index: dict[str, tuple[int, int, int]] = {}  #: layer name -> (global, group, index in group)
+        self.layer_index: dict[str, int] = {}  #: layer name -> its index over all groups
+        self.layer_slots: list[tuple[int, int]] = []  #: per layer index: (group, index in the group)
         self.kv_heads = 0
-        self.step: list[tuple[EvictingRequest, int, int, int, int, list[torch.Tensor]]] = []
-        self.fallbacks = 0
+        self.step: list[tuple[EvictingRequest, int, int, int, int, Any]] = []  #: request, rows, end, held, reader
         self.trace = _tracing()
         self.failed: dict[str, str] = {}  #: requests whose compaction fell back, for the scheduler (once each)
 
@@ -71,7 +75,8 @@ class WorkerEviction:
                                    "be probed")
             self.layouts.append(layout)
             for i, name in enumerate(names[g]):
-                self.layer_index[name] = (len(self.layer_index), g, i)
+                self.layer_index[name] = len(self.layer_slots)
+                self.layer_slots.append((g, i))
             self.kv_heads = int(kv.shape[1])
         self.groups = groups
 
@@ -92,19 +97,20 @@ class WorkerEviction:
                 key = asked.key()
                 if key not in self.policies:
                     self.policies[key] = build_policy(asked.policy, asked.budget, asked.options)
-                request = EvictingRequest(rid, self.policies[key], known[0], len(self.layer_index), self.kv_heads,
+                request = EvictingRequest(rid, self.policies[key], known[0], len(self.layer_slots), self.kv_heads,
                                           trace=self.trace)
         self.requests[rid] = request
         return request
 
     def reader(self, blocks: list[torch.Tensor]) -> Any:
-        """``read(layer, n, values)``: a request's first ``n`` keys (or values) ``[kv_heads, n, D]`` in ``layer``."""
-        assert self.groups is not None
-        by_global = {g_index: (g, i) for g_index, g, i in self.layer_index.values()}
+        """``read(layer, n, values)``: the first ``n`` keys (or values) ``[kv_heads, n, D]`` in ``layer`` of the
+        request whose block ids per group are ``blocks``."""
+        groups = self.groups
+        assert groups is not None
 
         def read(layer: int, n: int, values: bool) -> torch.Tensor:
-            g, i = by_global[layer]
-            return read_slots(self.groups[g][0][i], blocks[g], n, self.layouts[g], values)
+            g, i = self.layer_slots[layer]
+            return read_slots(groups[g][0][i], blocks[g], n, self.layouts[g], values)
         return read
 
     # -- one forward -----------------------------------------------------------------------------------------
@@ -124,23 +130,23 @@ class WorkerEviction:
             if request is None or e <= s:
                 continue
             end = int(flat[e - 1]) + 1
-            blocks = [torch.tensor(b, dtype=torch.int64) for b in adapter.request_blocks(runner, rid) or []]
-            self.step.append((request, s, e, end, end - self.offsets.get(rid, 0), blocks))
+            read = self.reader(_tensors(adapter.request_blocks(runner, rid) or []))
+            self.step.append((request, s, e, end, end - self.offsets.get(rid, 0), read))
 
     def layer(self, attn_layer: Any, query: Any, shape: Any) -> None:
         """Inside one layer's ``forward``: score each evicting request's slots from its new query rows."""
-        found = self.layer_index.get(adapter.layer_name(attn_layer))
-        if found is None:
+        layer = self.layer_index.get(adapter.layer_name(attn_layer))
+        if layer is None:
             return
-        for request, s, e, end, n, blocks in self.step:
+        for request, s, e, end, n, read in self.step:
             rows = query[s:e].view(e - s, shape.num_heads, -1)
             try:
-                request.observe(found[0], rows, end, n, shape.scale, self.reader(blocks))
+                request.observe(layer, rows, end, n, shape.scale, read)
             except Exception as exc:  # its compaction falls back to the newest tokens
                 request.failure = request.failure or f"scoring failed: {exc!r}"
 
     def after_forward(self) -> None:
-        for request, _s, _e, end, _n, _blocks in self.step:
+        for request, _s, _e, end, _n, _read in self.step:
             request.finish_forward(end)
         self.step = []
 
@@ -174,11 +180,10 @@ class WorkerEviction:
             return
         self.ensure_layers(runner)
         assert self.groups is not None
-        blocks = [torch.tensor(b, dtype=torch.int64) for b in block_lists]
+        blocks = _tensors(block_lists)
         src, dst = request.moves(order.logical, order.physical, order.kept, self.reader(blocks))
         if request.failure is not None and not request.warned:
             request.warned = True
-            self.fallbacks += 1
             self.failed[order.rid] = request.failure
             log.warning("sparseety: request %s keeps its newest tokens instead of %s's choice: %s", order.rid,
                         request.policy.name, request.failure)
