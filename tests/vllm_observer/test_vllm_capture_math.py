@@ -202,3 +202,18 @@ def test_importance_setting():
     mode, problem = parse_mode({"SPARSEETY_IMPORTANCE": "learned"})
     assert mode is None and problem == ("sparseety: SPARSEETY_IMPORTANCE='learned' is not one of value, attention, "
                                         "output, off; important tokens of vLLM requests are off")
+
+
+@pytest.mark.parametrize(("raw", "seconds", "warned"), [("", 5.0, False), (" 60 ", 60.0, False), ("0.5", 0.5, False),
+                                                        ("abc", 5.0, True), ("-1", 5.0, True), ("inf", 5.0, True)])
+def test_importance_wait_setting(monkeypatch, caplog, raw, seconds, warned):
+    from sparseety.integrations.vllm import importance
+
+    monkeypatch.setenv("SPARSEETY_IMPORTANCE_WAIT_S", raw)
+    importance.wait_s.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="sparseety.vllm"):
+            assert importance.wait_s() == seconds
+    finally:
+        importance.wait_s.cache_clear()
+    assert (f"SPARSEETY_IMPORTANCE_WAIT_S={raw!r} is not a positive number of seconds" in caplog.text) == warned

@@ -33,11 +33,11 @@ PROMPTS = [" ".join(WORDS[400 * i : 400 * i + 480]) for i in range(4)]  # 560-64
 SERVER_ARGS = ["--num-gpu-blocks-override", "256"]  # 6 KV-cache groups x ~20 blocks per request
 
 
-def _server(base, name: str, extra_args: list[str]) -> VllmServer:
+def _server(base, name: str, extra_args: list[str], extra_env: dict[str, str] | None = None) -> VllmServer:
     from sparseety.models.registry import resolve_model_dir
 
     return VllmServer(resolve_model_dir("gemma3-270m"), base / name / "traces", base / f"{name}.log",
-                      speculative=False, extra_args=[*SERVER_ARGS, *extra_args]).start()
+                      speculative=False, extra_args=[*SERVER_ARGS, *extra_args], extra_env=extra_env).start()
 
 
 @pytest.fixture(scope="module")

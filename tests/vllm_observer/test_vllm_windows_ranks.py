@@ -20,8 +20,10 @@ def ranks_traffic(tmp_path_factory, gemma):
     """Gemma 3 behind ``--data-parallel-size 2 --api-server-count 2``: prompts past the window, four at once."""
     require_vllm()
     _, tokenizer = gemma
+    # four processes share the cores: a worker's importance result can come seconds after its request finished
     server = _server(tmp_path_factory.mktemp("vllm-windows-dp"), "dp",
-                     ["--data-parallel-size", "2", "--api-server-count", "2"])
+                     ["--data-parallel-size", "2", "--api-server-count", "2"],
+                     extra_env={"SPARSEETY_IMPORTANCE_WAIT_S": "60"})
     try:
         responses: list[dict] = []
         stored: dict[str, dict] = {}

@@ -4,7 +4,7 @@
 forward and ``["done", result]`` when vLLM removes it, over its own bounded ZMQ channel (next to the
 scheduler channel). :class:`ImportanceInbox` binds the PULL end and keeps the results (bounded: the oldest
 are dropped and counted). The observer's worker thread waits for a started request's result at most
-:data:`WAIT_S` after the frontend saw it finish, then calls :func:`attach`.
+:func:`wait_s` after the frontend saw it finish, then calls :func:`attach`.
 
 :func:`attach` turns a result into what an own-engine trace holds, through the same code: the rows of
 query positions ``prompt_len - 1 .. prompt_len + outputs - 2`` (the prompt's last row and each decode
@@ -37,8 +37,27 @@ import numpy as np
 from sparseety.integrations.vllm.channels import importance_channel
 
 log = logging.getLogger("sparseety.vllm")
-WAIT_S = 5.0  #: how long a finished, started request waits for its result before it is recorded without
+WAIT_ENV = "SPARSEETY_IMPORTANCE_WAIT_S"
+WAIT_S = 5.0  #: default of :func:`wait_s`
 TOP_K = 16  #: records per ranking (SparSEEty's own default)
+
+
+@functools.cache
+def wait_s() -> float:
+    """Seconds a finished request that the worker captured waits for its result before it is recorded
+    without it (``importance.status`` ``lost``): ``SPARSEETY_IMPORTANCE_WAIT_S``, default 5. Raise it where
+    engine cores run behind (several DP ranks or API servers on few cores); a bad value warns once."""
+    raw = os.environ.get(WAIT_ENV, "").strip()
+    if not raw:
+        return WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        log.warning("sparseety: %s=%r is not a positive number of seconds; %.0f s", WAIT_ENV, raw, WAIT_S)
+        return WAIT_S
+    return value
 
 
 class ImportanceInbox:

@@ -5,7 +5,7 @@ server 0's importance channel (the worker cannot see which API server owns a req
 :class:`ImportanceConsumer` owns that channel's receiver (:class:`.importance.ImportanceInbox`) and:
 
 - tells the finisher whether a finished request's result may still come (:meth:`pending`, at most
-  :data:`.importance.WAIT_S` after the frontend saw it finish);
+  :func:`.importance.wait_s` after the frontend saw it finish);
 - on API server 0, forwards the messages of requests another API server owns (the scheduler names the
   owner: :attr:`.scheduler_consumer.RequestTable.owners`) to that server's importance channel;
 - puts a result into the request's record (:meth:`attach`, through :func:`.importance.attach`).
@@ -42,18 +42,18 @@ class ImportanceConsumer:
         self.forwarded = 0  #: importance results forwarded to the API server that owns the request
 
     def pending(self, c: FinishedRequest, now: float, *, sampled: bool) -> bool:
-        """True while the worker captured ``c`` and its result may still come (at most ``WAIT_S``).
+        """True while the worker captured ``c`` and its result may still come (at most :func:`.importance.wait_s`).
         ``sampled``: whether the store keeps ``c`` above tier 1 (the worker's sampling)."""
-        from sparseety.integrations.vllm.importance import WAIT_S
+        from sparseety.integrations.vllm.importance import wait_s
 
         inbox = self.inbox
-        if inbox is None or now - c.finished_at >= WAIT_S:
+        if inbox is None or now - c.finished_at >= wait_s():
             return False
         if inbox.waiting(c.internal_id):
             return True
         # Another API server's request: API server 0 forwards the worker's "start" once the scheduler has
         # named the owner, which can be after a short request finished here; one the hash samples waits for
-        # its result too (at most WAIT_S), instead of reading as not sampled.
+        # its result too (at most wait_s()), instead of reading as not sampled.
         return self.client > 0 and sampled and not inbox.has_result(c.internal_id)
 
     def forward(self) -> None:

@@ -11,7 +11,7 @@ channel, marked as counted, after the model's shape. Every request is counted on
   (tokens times top-k per layer over all experts), and sets ``sparseety:moe_load_imbalance{layer}`` (the
   busiest expert's tokens over the mean of all experts, over every request so far);
 - keeps the results (bounded) until the finisher takes them (:meth:`attach`), which waits at most
-  :data:`.importance.WAIT_S` for a finished request's result once the worker has said the model is MoE
+  :func:`.importance.wait_s` for a finished request's result once the worker has said the model is MoE
   (:meth:`pending`).
 
 What a record gets (:meth:`attach`): ``extra_json.vllm.moe`` for every request (``layers``, ``experts``,
@@ -209,11 +209,11 @@ class RoutingConsumer:
 
     # -- the finisher's side ---------------------------------------------------------------------------------
     def pending(self, internal_id: str, finished_at: float, now: float | None = None) -> bool:
-        """True while the model is MoE and ``internal_id``'s result may still come (at most ``WAIT_S``)."""
-        from sparseety.integrations.vllm.importance import WAIT_S
+        """True while the model is MoE and ``internal_id``'s result may still come (at most :func:`.importance.wait_s`)."""
+        from sparseety.integrations.vllm.importance import wait_s
 
         now = time.monotonic() if now is None else now
-        if (self.moe is None and not self.expected) or now - finished_at >= WAIT_S:
+        if (self.moe is None and not self.expected) or now - finished_at >= wait_s():
             return False
         with self._lock:
             return internal_id not in self.results
