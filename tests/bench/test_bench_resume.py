@@ -55,7 +55,7 @@ def test_a_changed_policy_file_is_never_reused_on_resume(args: list[str], tmp_pa
     (same path) is refused on --resume instead of mixing its results with the old file's."""
     import torch
 
-    from sparseety.models.fingerprint import model_fingerprint
+    from sparseety.fingerprint import model_fingerprint
     from sparseety.policies.parts.kvzap_model import Surrogate
 
     fingerprint = model_fingerprint(build_model("llama"))

@@ -11,7 +11,7 @@ from tiny_models import prompt_ids
 
 from sparseety.engine import EncodedInput
 from sparseety.engine.request import GenerationOptions
-from sparseety.models.fingerprint import model_fingerprint
+from sparseety.fingerprint import model_fingerprint
 from sparseety.policies import build_policy
 from sparseety.policies.parts.kvzap_model import Surrogate
 

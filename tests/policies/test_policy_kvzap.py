@@ -21,7 +21,7 @@ from tiny_models import build_model, build_tokenizer, prompt_ids  # noqa: E402
 from sparseety.cli import app  # noqa: E402
 from sparseety.engine import EncodedInput, SparseEngine  # noqa: E402
 from sparseety.errors import ConfigError  # noqa: E402
-from sparseety.models.fingerprint import model_fingerprint  # noqa: E402
+from sparseety.fingerprint import model_fingerprint  # noqa: E402
 from sparseety.policies import build_policy  # noqa: E402
 from sparseety.policies.base import ModelInfo  # noqa: E402
 from sparseety.policies.parts.kvzap_model import Surrogate, read_surrogate  # noqa: E402

@@ -37,7 +37,7 @@ from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from sparseety.engine.settings import RunSettings
 from sparseety.engine.window import layer_windows
 from sparseety.errors import InputError
-from sparseety.models.fingerprint import model_fingerprint
+from sparseety.fingerprint import model_fingerprint
 from sparseety.options import GenerationOptions, options_from
 from sparseety.policies.base import ModelInfo, Policy
 

@@ -8,7 +8,7 @@ A weights file is JSON (``sparseety learn-importance`` writes it)::
 
 ``weights`` is ``[layers][heads]`` (query heads); ``feature`` is the per-head score they weigh
 (``attention``, ``value`` or ``output``, :mod:`sparseety.extract.scoring`). The file is refused for a
-model of another fingerprint (:mod:`sparseety.models.fingerprint`), with both named. The package ships
+model of another fingerprint (:mod:`sparseety.fingerprint`), with both named. The package ships
 one for the default model (``extract/weights/*.json``; ``python -m sparseety.training.shipped_head_weights``
 regenerates it).
 """

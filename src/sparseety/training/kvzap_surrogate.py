@@ -269,7 +269,7 @@ def learn_kvzap(engine: Any, contexts: Sequence[Context], config: KVzapConfig, *
     """Capture, fit and evaluate (see the module docstring); the surrogate with its provenance filled in."""
     from sparseety.version import __version__
     from sparseety.training.learned_policy import NO_HELDOUT, split_requests
-    from sparseety.models.fingerprint import config_summary, model_fingerprint
+    from sparseety.fingerprint import config_summary, model_fingerprint
 
     say = on_progress or (lambda _m: None)
     info = engine.model_info

@@ -320,7 +320,7 @@ def learn(engine: Any, examples: Sequence[TraceExample], config: TrainConfig, *,
           on_progress: Callable[[str], None] | None = None) -> LearnResult:
     """Replay, label, split, fit and evaluate; returns the predictor with its provenance filled in."""
     from sparseety.version import __version__
-    from sparseety.models.fingerprint import config_summary, model_fingerprint
+    from sparseety.fingerprint import config_summary, model_fingerprint
     from sparseety.policies.parts.learned_features import class_table_for
 
     say = on_progress or (lambda _m: None)
