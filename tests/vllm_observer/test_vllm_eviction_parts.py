@@ -3,6 +3,7 @@ compaction (on a cache written column-major for keys and row-major for values, a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,8 @@ def test_bad_request_args_name_the_arg(extra, message):
 
 @pytest.mark.parametrize("env, message", [
     ({"SPARSEETY_KV_POLICY": "kvzip", "SPARSEETY_KV_BUDGET": "64"}, "reconstruction pass of its own"),
-    ({"SPARSEETY_KV_POLICY": "kvzap", "SPARSEETY_KV_BUDGET": "64"}, "hidden states entering attention"),
+    ({"SPARSEETY_KV_POLICY": "kvzap", "SPARSEETY_KV_BUDGET": "64", "SPARSEETY_KV_POLICY_OPTS": "per_head=true"},
+     "kvzap with these options gives layers or KV heads different budgets"),
     ({"SPARSEETY_KV_POLICY": "pyramid", "SPARSEETY_KV_BUDGET": "64"}, "layers different budgets"),
     ({"SPARSEETY_KV_POLICY": "topk_attention", "SPARSEETY_KV_BUDGET": "64"}, "deletes no keys"),
     ({"SPARSEETY_KV_POLICY": "nope", "SPARSEETY_KV_BUDGET": "64"}, "nope"),
@@ -84,6 +86,33 @@ def test_settings_resolve_budget_ratio_and_options():
     s = parse_eviction({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "64",
                         "SPARSEETY_KV_INTERVAL": "1"})
     assert s is not None and s.for_request({}, 400).budget == 64 and s.options == {} and s.interval == 1
+
+
+@pytest.mark.model
+def test_kvzap_runs_its_vllm_variant_bound_to_the_served_checkpoint(tmp_path):
+    """kvzap keeps one count per layer in vLLM (``per_head=false`` unless given), and its surrogate is found by
+    the served checkpoint's fingerprint: a checkpoint none was trained for is refused, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sparseety.models.registry import resolve_model_dir
+
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "kvzap", "SPARSEETY_KV_BUDGET": "64"})
+    assert s is not None
+    served = resolve_model_dir("smollm2-135m")
+    asked = s.for_request({}, 400, served)
+    assert asked is not None and (asked.budget, asked.options) == (64, {"per_head": False})
+    other = tmp_path / "retrained"
+    shutil.copytree(served, other)
+    weights = next(other.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ConfigError) as info:
+        s.for_request({}, 400, str(other))
+    assert str(info.value).startswith("sparseety_policy='kvzap': kvzap: no surrogate file given, and no linear "
+                                      "surrogate ships for model 'retrained'")
 
 
 def test_ledger_compacts_after_the_prompt_then_every_interval():
@@ -264,7 +293,16 @@ def test_the_worker_report_joins_its_request_and_a_failure_stops_its_eviction():
     assert ledger.receive({"failed": {"b": "again"}}) == []  # warned once
     assert ledger.plan("b", 40, 20) is None  # b stops evicting and keeps what it holds
     record = ledger.forget("a").record("a")
-    assert record == ["a", "tova", 8, 12, 1, 1, 20, [[0, 0, 0, 3, 0.5]], None]
+    assert record == ["a", "tova", 8, 12, 1, 1, 20, [[0, 0, 0, 3, 0.5]], None, None]
+
+
+def test_the_kept_positions_are_the_fed_positions_not_evicted():
+    """The refused record and the live path are checked against a real server (test_vllm_eviction_dp)."""
+    from sparseety.integrations.vllm.record import kept_after
+
+    slots = np.array([[0, 1, 0, 3, 0.5], [1, 0, 1, 0, 0.1], [2, 1, 0, 9, 0.2]])  # position 9 was never fed
+    assert kept_after(slots, (2, 2), 5) == {"0": {"0": [0, 1, 2, 3, 4], "1": [1, 2, 3, 4]},
+                                            "1": {"0": [0, 1, 2, 4], "1": [0, 1, 2, 3, 4]}}
 
 
 def test_recorded_evictions_are_the_complement_of_the_kept_slots():

@@ -1,9 +1,11 @@
 """SparSEEty's scoring policies inside a real ``vllm serve`` (``SPARSEETY_KV_POLICY=dense``: requests choose with
-``vllm_xargs``): each of ``tova``, ``snapkv``, ``h2o`` and ``streaming`` gives the own engine's greedy tokens at the
+``vllm_xargs``): each of ``tova``, ``snapkv``, ``h2o``, ``streaming`` and ``kvzap`` (its vLLM variant,
+``per_head=false``, reading the hidden states entering each layer's attention) gives the own engine's greedy tokens at the
 same budget, alone and in one batch with a dense request and the other policies, and its trace holds the slots the
 own engine evicts, step by step, layer by layer and head by head; the dense request gives the own engine's dense
 tokens; a request asking for a policy vLLM cannot run is served dense, with a warning. The prompts are prefilled in
-two chunks (128 tokens a step), so ``snapkv``'s window and ``h2o``'s column sums are carried over chunks.
+two chunks (128 tokens a step), so ``snapkv``'s window, ``h2o``'s column sums and ``kvzap``'s per-token scores are
+carried over chunks.
 
 One request's failed eviction is its own: a fault injected into the scoring of one request (through a
 ``sitecustomize`` the worker imports, keyed on that request's prompt length) makes that request keep its newest
@@ -27,7 +29,9 @@ pytestmark = pytest.mark.model
 
 BUDGET = 64
 NEW_TOKENS = 32
-POLICIES = ("tova", "snapkv", "h2o", "streaming", "dense")
+POLICIES = ("tova", "snapkv", "h2o", "streaming", "kvzap", "dense")
+#: the own engine's options for a policy's vLLM variant (kvzap keeps one count per layer inside vLLM)
+VARIANTS = {"kvzap": {"per_head": False}}
 LICENSES = Path("/usr/share/common-licenses")
 
 
@@ -58,9 +62,10 @@ def token_count(text: str) -> int:
 
 
 def prompts() -> list[str]:
-    """Five prompts of about 150 tokens (more than the budget) from texts that ship on the machine."""
+    """Six prompts of about 150 tokens (more than the budget) from texts that ship on the machine."""
     return [(LICENSES / name).read_text()[start:start + 650] for name, start in
-            (("GPL-3", 5000), ("Apache-2.0", 4000), ("MPL-2.0", 6000), ("LGPL-3", 1500), ("GPL-2", 3000))]
+            (("GPL-3", 5000), ("Apache-2.0", 4000), ("MPL-2.0", 6000), ("LGPL-3", 1500), ("Apache-2.0", 9000),
+             ("GPL-2", 3000))]
 
 
 def xargs(policy: str) -> dict:
@@ -122,7 +127,8 @@ def own_runs():
     out = {}
     for policy, text in zip(POLICIES, prompts()):
         budget = {} if policy == "dense" else {"budget": BUDGET}
-        out[policy] = model.generate(text, policy=policy, max_new_tokens=NEW_TOKENS, chat=False, **budget)
+        out[policy] = model.generate(text, policy=policy, max_new_tokens=NEW_TOKENS, chat=False,
+                                     policy_opts=VARIANTS.get(policy, {}), **budget)
     return out
 
 
@@ -142,9 +148,11 @@ def stored(server, alone_responses):
         try:
             con = connect(server.trace_dir)
             rows = con.sql("SELECT request_id, policy, budget, evicted_positions, eviction_events, "
-                           "kv_cache_bytes_peak, kv_cache_bytes_dense, extra_json FROM requests").fetchall()
+                           "kv_cache_bytes_peak, kv_cache_bytes_dense, extra_json, document_json "
+                           "FROM requests").fetchall()
             found = {ids[r[0]]: {"policy": r[1], "budget": r[2], "evicted_positions": r[3], "eviction_events": r[4],
                                  "peak": r[5], "dense": r[6], "vllm": json.loads(r[7])["vllm"],
+                                 "kept": json.loads(r[8])["sparsity"]["kept_positions_final"],
                                  "slots": {tuple(e) for e in con.sql(
                                      "SELECT step, layer, kv_head, position FROM token_events WHERE request_id = ? "
                                      "AND event = 'evicted'", params=[r[0]]).fetchall()}}
@@ -193,6 +201,14 @@ def test_the_trace_holds_the_slots_the_own_engine_evicts(policy, stored, own_run
     own_slots = {(e["step"], e["layer"], e["kv_head"], e["position"]) for e in own_runs[policy].events()
                  if e["event"] == "evicted" and e["step"] <= last}
     assert own_slots and record["slots"] == own_slots
+    # what vLLM still held at the end: the own engine's final slots plus those it evicted after the last forward
+    own_kept = own_runs[policy].run.kept_positions_final
+    late = [e for e in own_runs[policy].events() if e["event"] == "evicted" and e["step"] > last]
+    assert record["kept"].keys() == own_kept.keys() and late
+    for layer, heads in own_kept.items():
+        for head, positions in heads.items():
+            extra = {e["position"] for e in late if (str(e["layer"]), str(e["kv_head"])) == (layer, head)}
+            assert record["kept"][layer][head] == sorted({*positions, *extra}), (layer, head)
     assert (record["policy"], record["budget"]) == (policy, BUDGET)
     assert record["eviction_events"] == len(record["slots"])
     assert record["evicted_positions"] == len({s[3] for s in record["slots"]})

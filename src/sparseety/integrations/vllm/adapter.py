@@ -214,7 +214,9 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "kv_cache_spec", "layer_names"),
     *_attrs("kv-eviction", "vllm.v1.kv_cache_interface:KVCacheSpec", "block_size"),
-    *_attrs("kv-eviction", f"{CONFIG}:VllmConfig", "speculative_config", "scheduler_config", "parallel_config"),
+    *_attrs("kv-eviction", f"{CONFIG}:VllmConfig", "speculative_config", "scheduler_config", "parallel_config",
+            "model_config"),
+    *_attrs("kv-eviction", f"{CONFIG}:ModelConfig", "model"),
     *_attrs("kv-eviction", f"{CONFIG}:SchedulerConfig", "async_scheduling"),
     *_attrs("kv-eviction", SOUT, "num_scheduled_tokens", "finished_req_ids"),
     Need("kv-eviction-worker", RUNNER, "_update_states", ("scheduler_output",)),
@@ -225,7 +227,7 @@ NEEDS: tuple[Need, ...] = (
          ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"), prefix=True),
     *_attrs("kv-eviction-worker", "vllm.forward_context", "get_forward_context"),
     *_attrs("kv-eviction-worker", RUNNER, "requests", "input_batch", "seq_lens", "optimistic_seq_lens_cpu",
-            "positions", "query_start_loc", "kv_cache_config", "compilation_config"),
+            "positions", "query_start_loc", "kv_cache_config", "compilation_config", "model", "model_config"),
     *_attrs("kv-eviction-worker", "vllm.v1.worker.gpu_input_batch:InputBatch", "req_id_to_index", "block_table",
             "req_ids", "num_reqs"),
     *_attrs("kv-eviction-worker", "vllm.v1.worker.block_table:MultiGroupBlockTable", "block_tables"),
@@ -758,6 +760,18 @@ def module_weight(modules: dict[str, Any], name: str) -> Any:
 def model_path(runner: Any) -> str:
     """The served model's directory (vLLM's model argument)."""
     return str(getattr(getattr(runner, "model_config", None), "model", "") or "")
+
+
+def served_path(vllm_config: Any) -> str:
+    """The served model's directory, from the engine's config."""
+    return str(vllm_config.model_config.model)
+
+
+def attention_blocks(runner: Any) -> list[tuple[str, Any]]:
+    """``(attention layer name, module)`` of each module of the runner's model whose ``attn`` child is an
+    attention layer (``*.self_attn``): what it is called with is the hidden states entering attention."""
+    return [(str(m.attn.layer_name), m) for m in runner.model.modules()
+            if isinstance(getattr(getattr(m, "attn", None), "layer_name", None), str)]
 
 
 def impl_shape(impl: Any) -> ImplShape:

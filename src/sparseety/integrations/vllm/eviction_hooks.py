@@ -30,8 +30,8 @@ from typing import Any
 
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.eviction_ledger import EvictionLedger
-from sparseety.integrations.vllm.eviction_settings import EvictionSettings, parse_eviction
+from sparseety.integrations.vllm.eviction_ledger import EvictionLedger, refused_record
+from sparseety.integrations.vllm.eviction_settings import POLICY_ARG, EvictionSettings, parse_eviction
 from sparseety.integrations.vllm.hooks import guarded
 
 log = logging.getLogger("sparseety.vllm")
@@ -39,24 +39,29 @@ HOOK = "kv-eviction"
 HOOK_WORKER = "kv-eviction-worker"
 ORDERS = "sparseety_kv"  #: the SchedulerOutput attribute that carries the orders
 REPORT = "sparseety_kv_report"  #: the ModelRunnerOutput attribute that carries the worker's report
+REFUSED_LIMIT = 4096  #: refused requests remembered until they finish
 
 
 class EngineCoreEviction:
     """The scheduler's side: settings, the ledger, and the orders of the step being scheduled."""
 
-    def __init__(self, settings: EvictionSettings, block_size: int) -> None:
+    def __init__(self, settings: EvictionSettings, block_size: int, model: str | None = None) -> None:
         self.settings = settings
+        self.model = model  #: the served checkpoint's directory (a policy that reads the model is bound to it)
         self.ledger = EvictionLedger(settings.interval or block_size)
         self.preempted: list[str] = []  #: since the last message: the worker starts their slot maps afresh
-        self.refused = 0  #: requests whose ``vllm_xargs`` asked for an eviction that cannot run (run dense)
+        #: requests whose ``vllm_xargs`` asked for an eviction that cannot run (served dense), until they finish
+        self.refused: dict[str, list] = {}
         self.failed = 0  #: requests that stopped evicting after a failed compaction
 
     def admit(self, rid: str, prompt_tokens: int, extra: dict[str, Any]) -> bool:
         """Track ``rid`` when it evicts (the settings, or its ``vllm_xargs``); True when it does."""
         try:
-            asked = self.settings.for_request(extra, prompt_tokens)
+            asked = self.settings.for_request(extra, prompt_tokens, self.model)
         except ConfigError as exc:
-            self.refused += 1
+            if len(self.refused) >= REFUSED_LIMIT:  # requests aborted before vLLM freed anything
+                self.refused.pop(next(iter(self.refused)))
+            self.refused[rid] = refused_record(rid, str((extra or {}).get(POLICY_ARG) or self.settings.policy), str(exc))
             log.warning("sparseety: request %s runs dense: %s", rid, exc)
             return False
         if asked is None:
@@ -98,7 +103,7 @@ class EngineCoreEviction:
         :meth:`.RequestLedger.record`) or preempted (recomputes from zero)."""
         if finished:
             led = self.ledger.forget(rid)
-            return None if led is None else led.record(rid)
+            return self.refused.pop(rid, None) if led is None else led.record(rid)
         if rid in self.ledger.requests:
             self.ledger.reset(rid)
             self.preempted.append(rid)
@@ -149,7 +154,10 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
                 raise ConfigError(f"sparseety: SPARSEETY_KV_POLICY cannot run: {refusal}")
             assert settings is not None
             block = min(g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups)
-            _CORE = EngineCoreEviction(settings, block)
+            model = adapter.served_path(self.vllm_config)
+            if settings.policy != "dense":  # a surrogate missing for this model refuses here, not per request
+                settings.for_request({}, 1_000_000, model)
+            _CORE = EngineCoreEviction(settings, block, model)
             log.info("sparseety: evicting inside vLLM's KV cache: %s, budget %s, ratio %s, every %s tokens",
                      settings.policy, settings.budget, settings.ratio, _CORE.ledger.interval)
         return __init__
@@ -246,7 +254,7 @@ def _patch_runner() -> None:
         def _model_forward(self, *args, **kwargs):
             if _WORKER is None:
                 return forward(self, *args, **kwargs)
-            _wrap_backends()
+            _wrap_backends(self)
             guarded(HOOK_WORKER, _WORKER.plan, self, adapter.arg(args, kwargs, 1, "positions"))
             try:
                 return forward(self, *args, **kwargs)
@@ -273,11 +281,15 @@ def _patch_runner() -> None:
 _SHAPES: dict[str, Any] = {}  #: attention layer name -> its heads and scale (:class:`.adapter.ImplShape`)
 
 
-def _wrap_backends() -> None:
+def _wrap_backends(runner: Any) -> None:
     """Wrap ``forward`` of each attention-implementation class the model's layers use (at the first forward,
-    inside vLLM's forward context): the evicting requests' new query rows score the slots they hold."""
+    inside vLLM's forward context): the evicting requests' new query rows score the slots they hold. A
+    read-only forward pre-hook on each attention block hands its input hidden states to a policy that reads
+    them (``kvzap``)."""
     if _SHAPES:
         return
+    for name, module in guarded(HOOK_WORKER, adapter.attention_blocks, runner) or ():
+        module.register_forward_pre_hook(_hidden_hook(name), with_kwargs=True)
     for layer in adapter.attention_layers():
         _SHAPES[layer.name] = adapter.impl_shape(layer.impl)
         cls = type(layer.impl)
@@ -295,3 +307,11 @@ def _wrap_backends() -> None:
             return forward
 
         adapter.patch(cls, "forward", HOOK_WORKER, make)
+
+
+def _hidden_hook(name: str) -> Callable[..., None]:
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        if _WORKER is not None and _WORKER.wants_hidden:
+            hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+            guarded(HOOK_WORKER, _WORKER.take_hidden, name, hidden)
+    return hook

@@ -50,9 +50,14 @@ class RequestLedger:
 
     def record(self, rid: str) -> list:
         """``[request id, policy, budget, evicted tokens per layer, freed blocks, compactions, peak tokens, evicted
-        slots, failure]``, as it travels to the observer when the request finishes."""
+        slots, failure, refusal]``, as it travels to the observer when the request finishes (``refusal`` None)."""
         return [rid, self.policy, self.budget, self.evicted, self.freed_blocks, self.compactions, self.peak,
-                self.events, self.failure]
+                self.events, self.failure, None]
+
+
+def refused_record(rid: str, policy: str, reason: str) -> list:
+    """The record of a request whose ``vllm_xargs`` asked for an eviction that cannot run: it was served dense."""
+    return [rid, policy, 0, 0, 0, 0, 0, [], None, reason]
 
 
 class EvictionLedger:

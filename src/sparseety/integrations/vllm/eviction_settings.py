@@ -10,12 +10,16 @@ would look like a working eviction). Options are checked by the own engine's pol
 imported only when eviction is asked for: the observer's import path stays torch-free.
 
 A policy runs inside vLLM when every layer keeps the same number of slots per KV head (one block table serves
-the group) and what it scores is there: positions, keys, values and attention rows of the layer
-(:func:`vllm_refusal` says why not otherwise).
+the group) and what it scores is there: positions, keys, values, attention rows and the hidden states entering
+the layer's attention (:func:`vllm_refusal` says why not otherwise). A policy's vLLM variant
+(:data:`VLLM_DEFAULTS`: ``kvzap`` keeps one count per layer, ``per_head=false``) applies unless its options say
+otherwise. A policy that reads the model (``kvzap``'s surrogate) is bound to the served checkpoint
+(:func:`checkpoint_model`), so a missing surrogate refuses at start.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -27,6 +31,8 @@ from sparseety.errors import ConfigError
 POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG = "sparseety_policy", "sparseety_budget", "sparseety_ratio", \
     "sparseety_policy_opts"  #: the per-request ``vllm_xargs``
 _SIGNALS_IN_VLLM = ("none", "last_row", "window", "colsum")
+#: options a policy takes inside vLLM unless given: one block table per KV-cache group keeps one count per layer
+VLLM_DEFAULTS: dict[str, dict[str, Any]] = {"kvzap": {"per_head": False}}
 
 
 def vllm_refusal(policy: Any, num_layers: int = 32) -> str | None:
@@ -36,8 +42,6 @@ def vllm_refusal(policy: Any, num_layers: int = 32) -> str | None:
         return f"{name} deletes no keys (it is not an eviction policy)"
     if policy.reconstructs:
         return f"{name} scores from a reconstruction pass of its own, which vLLM's scheduler cannot run"
-    if policy.needs_hidden:
-        return f"{name} reads the hidden states entering attention, which are not captured inside vLLM yet"
     if policy.needs_token_ids or policy.query_rows() > 0:
         return f"{name} reads token ids or query rows of earlier steps, which are not captured inside vLLM yet"
     if policy.shares_budget or policy.splits_heads:
@@ -63,9 +67,11 @@ class EvictionSettings:
     interval: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
-    def for_request(self, extra: Mapping[str, Any] | None, prompt_tokens: int) -> RequestEviction | None:
+    def for_request(self, extra: Mapping[str, Any] | None, prompt_tokens: int,
+                    model: str | None = None) -> RequestEviction | None:
         """What one request evicts: these settings, or what its ``vllm_xargs`` ask (None: it runs dense).
-        Raises :class:`ConfigError` naming the arg when they ask for something that cannot run."""
+        Raises :class:`ConfigError` naming the arg when they ask for something that cannot run (``model``:
+        the served checkpoint's directory, to bind a policy that reads the model)."""
         extra = extra or {}
         asked = {k for k in (POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG) if extra.get(k) is not None}
         policy = str(extra.get(POLICY_ARG) or self.policy).strip()
@@ -85,7 +91,7 @@ class EvictionSettings:
             options = self.options if policy == self.policy else {}
         if (budget is None) == (ratio is None):
             raise ConfigError(f"{POLICY_ARG}={policy} needs exactly one of {BUDGET_ARG} or {RATIO_ARG}")
-        return checked(policy, budget, ratio, options, prompt_tokens, arg=POLICY_ARG)
+        return checked(policy, budget, ratio, options, prompt_tokens, arg=POLICY_ARG, model=model)
 
 
 @dataclass(frozen=True)
@@ -105,10 +111,12 @@ class RequestEviction:
 
 
 def checked(policy: str, budget: int | None, ratio: float | None, options: dict[str, Any], prompt_tokens: int,
-            arg: str = "SPARSEETY_KV_POLICY") -> RequestEviction:
-    """The eviction of a request with ``prompt_tokens`` prompt tokens, its policy built and checked for vLLM."""
+            arg: str = "SPARSEETY_KV_POLICY", model: str | None = None) -> RequestEviction:
+    """The eviction of a request with ``prompt_tokens`` prompt tokens, its policy built and checked for vLLM
+    (with its :data:`VLLM_DEFAULTS`), and bound to the checkpoint in ``model`` when given."""
     from sparseety.policies.registry import build_policy, resolve_budget
 
+    options = {**VLLM_DEFAULTS.get(policy, {}), **options}
     try:
         resolved = resolve_budget(budget, ratio, max(prompt_tokens, 1))
         built = build_policy(policy, resolved, options)
@@ -117,8 +125,34 @@ def checked(policy: str, budget: int | None, ratio: float | None, options: dict[
     refusal = vllm_refusal(built)
     if refusal is not None:
         raise ConfigError(f"{arg}={policy!r} cannot run inside vLLM: {refusal}")
+    if model:
+        try:
+            built.bind(checkpoint_model(model))
+        except ConfigError as exc:
+            raise ConfigError(f"{arg}={policy!r}: {exc}") from None
     assert resolved is not None
-    return RequestEviction(policy, int(resolved), dict(options))
+    return RequestEviction(policy, int(resolved), options)
+
+
+@functools.cache
+def checkpoint_model(path: str) -> Any:
+    """The :class:`~sparseety.policies.base.ModelInfo` of the Hugging Face checkpoint vLLM serves from ``path``
+    (its ``config.json``; the fingerprint from its files, computed once when a policy asks)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from sparseety.fingerprint import checkpoint_fingerprint
+    from sparseety.policies.base import ModelInfo
+
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    return ModelInfo(name=Path(path).name, num_layers=int(text.num_hidden_layers),
+                     kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                     head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                     vocab_size=getattr(text, "vocab_size", None),
+                     fingerprint=functools.cache(functools.partial(checkpoint_fingerprint, path)))
 
 
 def _positive_int(raw: Any, name: str) -> int | None:

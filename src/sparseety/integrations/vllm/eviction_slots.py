@@ -10,7 +10,9 @@ fed one layer at a time with the :class:`~sparseety.policies.base.Observation` t
   sums (carried over prefill chunks) or last row, then each decode step's row, over the slots the request holds;
   their accumulator (``state``) follows the slots through every compaction;
 - policies that read positions, keys or values only (``streaming``, ``knorm``, ``keydiff``) are scored at the
-  compaction itself (in :meth:`EvictingRequest.moves`), from the keys read out of the cache.
+  compaction itself (in :meth:`EvictingRequest.moves`), from the keys read out of the cache;
+- a policy that reads the hidden states entering attention (``kvzap``) scores each new token once, in the
+  forward that writes it (its per-slot state), and protects its sinks and window at the compaction.
 
 :meth:`EvictingRequest.moves` selects the kept slots with the own engine's ``select_keep`` (ties to the lower
 position) and turns them into per-layer, per-head moves (:func:`.kv_compaction.fill_holes`). Torch only; vLLM is
@@ -85,10 +87,18 @@ class EvictingRequest:
         self.__post_init__()
 
     # -- scoring ---------------------------------------------------------------------------------------------
-    def observe(self, layer: int, query: torch.Tensor, end: int, n: int, scale: float, read: SlotReader) -> None:
+    def observe(self, layer: int, query: torch.Tensor, end: int, n: int, scale: float, read: SlotReader,
+                hidden: torch.Tensor | None = None) -> None:
         """One layer's forward over this request's new rows ``query`` ``[r, heads, d]`` (post-RoPE), the last at
-        position ``end - 1``; ``n`` slots are held after it. Scores the slots once the prompt is complete."""
+        position ``end - 1``; ``n`` slots are held after it. Scores the slots once the prompt is complete; a
+        policy that reads ``hidden`` (``[r, D]``, the rows entering attention) scores the new tokens now."""
         policy, prefill = self.policy, not self.prefilled
+        if policy.needs_hidden:
+            if hidden is None or hidden.shape[0] != query.shape[0]:
+                raise RuntimeError(f"the hidden states entering layer {layer}'s attention were not captured")
+            no_keys = query.new_empty(self.kv_heads, n, 0)  # the policy reads the hidden states, not the keys
+            self._score(layer, no_keys, None, end, n, prefill, read, hidden)
+            return
         signal = policy.prefill_signal if prefill else policy.decode_signal
         if prefill and end < self.prompt_len:
             self._carry(layer, query, end, n, scale, signal, read)
@@ -140,13 +150,14 @@ class EvictingRequest:
         return group_mean(row_probs(last, keys[None], scale)[:, :, 0], self.kv_heads)
 
     def _score(self, layer: int, keys: torch.Tensor, attention: torch.Tensor | None, end: int, n: int,
-               prefill: bool, read: SlotReader) -> None:
+               prefill: bool, read: SlotReader, hidden: torch.Tensor | None = None) -> None:
         state = _padded(self.state[layer], n)
         obs = Observation(
             layer=layer, num_layers=self.layers, step=max(0, end - self.prompt_len), prefill=prefill,
             positions=self.slot_positions(layer, n, end)[None], keys=keys[None], attention=attention,
             state=None if state is None else state[None], seed=0,
             values=read(layer, n, True)[None] if self.reads_values else None, newest=end - 1,
+            hidden=None if hidden is None else hidden[None],
         )
         scores, new_state = self.policy.score(obs)
         self.scores[layer] = scores[0]

@@ -3,7 +3,9 @@
 Per forward (``_model_forward``), :meth:`WorkerEviction.plan` finds the rows of each evicting request; inside the
 attention backend's ``forward`` of every layer, :meth:`WorkerEviction.layer` hands them to the request's
 :class:`~.eviction_slots.EvictingRequest`, which scores the slots it holds with the own engine's policy, reading
-keys (and values) out of vLLM's cache through the probed layout. Before a step's inputs are prepared
+keys (and values) out of vLLM's cache through the probed layout; a policy that reads the hidden states entering
+attention (``kvzap``) gets its rows from a forward pre-hook on the layer's attention block
+(:meth:`WorkerEviction.take_hidden`). Before a step's inputs are prepared
 (``_update_states``), :meth:`WorkerEviction.before_update` carries out the scheduler's orders: the kept slots of
 every layer and KV head move into the first slots (:func:`.kv_compaction.compact`) and the request's block list
 and batch row are cut to the blocks it still holds.
@@ -23,7 +25,7 @@ import torch
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.eviction_ledger import Compaction
-from sparseety.integrations.vllm.eviction_settings import EvictionSettings
+from sparseety.integrations.vllm.eviction_settings import EvictionSettings, checkpoint_model
 from sparseety.integrations.vllm.eviction_slots import EvictingRequest
 from sparseety.integrations.vllm.kv_compaction import BlockLayout, compact, probe_layout, read_slots
 
@@ -49,6 +51,7 @@ class WorkerEviction:
         self.settings = settings
         self.requests: dict[str, EvictingRequest | None] = {}  #: decided requests (None: dense)
         self.policies: dict[tuple, Any] = {}
+        self.unbound: dict[tuple, str] = {}  #: policies that could not be bound to the model here, and why
         self.offsets: dict[str, int] = {}  #: this step's logical minus physical tokens per request
         self.groups: list[tuple[list[torch.Tensor], int, Any]] | None = None  #: per group: caches, block size, layer
         self.layouts: list[BlockLayout] = []
@@ -58,6 +61,8 @@ class WorkerEviction:
         self.step: list[tuple[EvictingRequest, int, int, int, int, Any]] = []  #: request, rows, end, held, reader
         self.trace = _tracing()
         self.failed: dict[str, str] = {}  #: requests whose compaction fell back, for the scheduler (once each)
+        self.wants_hidden = False  #: this forward has a request whose policy reads the hidden states
+        self.hidden: dict[int, torch.Tensor] = {}  #: layer index -> this forward's ``[tokens, D]`` attention input
 
     # -- the model's layers --------------------------------------------------------------------------------
     def ensure_layers(self, runner: Any) -> None:
@@ -96,9 +101,13 @@ class WorkerEviction:
 
                 key = asked.key()
                 if key not in self.policies:
-                    self.policies[key] = build_policy(asked.policy, asked.budget, asked.options)
+                    policy = self.policies[key] = build_policy(asked.policy, asked.budget, asked.options)
+                    try:  # as the scheduler bound it; if that fails here, its compactions keep the newest tokens
+                        policy.bind(checkpoint_model(adapter.model_path(runner)))
+                    except Exception as exc:
+                        self.unbound[key] = f"binding {asked.policy} to the model failed: {exc!r}"
                 request = EvictingRequest(rid, self.policies[key], known[0], len(self.layer_slots), self.kv_heads,
-                                          trace=self.trace)
+                                          trace=self.trace, failure=self.unbound.get(key))
         self.requests[rid] = request
         return request
 
@@ -132,23 +141,32 @@ class WorkerEviction:
             end = int(flat[e - 1]) + 1
             read = self.reader(_tensors(adapter.request_blocks(runner, rid) or []))
             self.step.append((request, s, e, end, end - self.offsets.get(rid, 0), read))
+        self.wants_hidden = any(r.policy.needs_hidden for r, *_ in self.step)
+
+    def take_hidden(self, name: str, hidden: Any) -> None:
+        """The hidden states ``[tokens, D]`` entering attention layer ``name`` in this forward (read-only)."""
+        layer = self.layer_index.get(name)
+        if layer is not None and isinstance(hidden, torch.Tensor):
+            self.hidden[layer] = hidden
 
     def layer(self, attn_layer: Any, query: Any, shape: Any) -> None:
-        """Inside one layer's ``forward``: score each evicting request's slots from its new query rows."""
+        """Inside one layer's ``forward``: score each evicting request's slots from its new query rows (and the
+        hidden states entering the layer, for a policy that reads them)."""
         layer = self.layer_index.get(adapter.layer_name(attn_layer))
         if layer is None:
             return
+        hidden = self.hidden.pop(layer, None)
         for request, s, e, end, n, read in self.step:
             rows = query[s:e].view(e - s, shape.num_heads, -1)
             try:
-                request.observe(layer, rows, end, n, shape.scale, read)
+                request.observe(layer, rows, end, n, shape.scale, read, None if hidden is None else hidden[s:e])
             except Exception as exc:  # its compaction falls back to the newest tokens
                 request.failure = request.failure or f"scoring failed: {exc!r}"
 
     def after_forward(self) -> None:
         for request, _s, _e, end, _n, _read in self.step:
             request.finish_forward(end)
-        self.step = []
+        self.step, self.hidden, self.wants_hidden = [], {}, False
 
     def outbox(self) -> dict[str, Any] | None:
         """What the scheduler learns after this step (on the ``ModelRunnerOutput``): each request's evicted slots

@@ -23,7 +23,7 @@ from sparseety.integrations.vllm.importance_consumer import ImportanceConsumer
 from sparseety.integrations.vllm.kv_consumer import KVConsumer
 from sparseety.integrations.vllm.kv_events import hash_text
 from sparseety.integrations.vllm.messages import FinishedRequest
-from sparseety.integrations.vllm.record import EventGroup, VllmRun, draft_arrays, draft_identity_arrays
+from sparseety.integrations.vllm.record import EventGroup, VllmRun, draft_arrays, draft_identity_arrays, kept_after
 from sparseety.integrations.vllm.scheduler_consumer import RequestTable
 from sparseety.integrations.vllm.sink import TraceSink, engine_label
 from sparseety.integrations.vllm.window_rows import freed, layer_windows, window_events
@@ -64,10 +64,12 @@ def _token_arrays(c: FinishedRequest, blocks: list[Any], chunks: list[tuple[int,
     return arrays
 
 
-def _attach_evictions(run: VllmRun, eviction: dict[str, Any], sequence: list[int], tier: int) -> None:
+def _attach_evictions(run: VllmRun, eviction: dict[str, Any], sequence: list[int], tier: int,
+                      shape: tuple[int, int] | None) -> None:
     """The slots the request's policy evicted inside vLLM's cache, as the own engine records them: ``evicted``
-    token events (tier 2), ``evicted_positions`` (distinct positions evicted from some layer and head) and
-    ``eviction_events`` (tier 1); the ``slots`` leave the ``vllm`` info (they are in the events)."""
+    token events and ``kept_positions_final`` (tier 2; ``shape``: layers and KV heads), ``evicted_positions``
+    (distinct positions evicted from some layer and head) and ``eviction_events`` (tier 1); the ``slots`` leave
+    the ``vllm`` info (they are in the events)."""
     slots = eviction.pop("slots", None) or []
     if tier < 1 or not slots:
         return
@@ -84,6 +86,8 @@ def _attach_evictions(run: VllmRun, eviction: dict[str, Any], sequence: list[int
             "evicted.token_id": np.where(known, ids[np.clip(positions, 0, max(ids.size - 1, 0))], -1),
             "evicted.score": table[:, 4].astype(np.float32),
         })
+        if shape is not None:
+            run.kept_positions_final = kept_after(table, shape, len(sequence) - 1)
 
 
 def evicting_peak(held: list[int] | None, eviction: dict[str, Any], block_size: int | None,
@@ -136,11 +140,18 @@ class Finisher:
         preemptions, recomputed = self.count(c)
         chunks, drafts, held, frees = self.table.take(c.internal_id)
         eviction = self.table.take_eviction(c.internal_id)
+        evicted = eviction if eviction is not None and "refused" not in eviction else None
         if eviction is not None:
             labels = {"engine": engine_label(c.engine), "policy": eviction["policy"]}
-            self.sink.metrics.evicted_tokens.labels(**labels).inc(eviction["evicted_tokens_per_layer"])
-            self.sink.metrics.evicted_freed_blocks.labels(**labels).inc(eviction["freed_blocks"])
-            held = evicting_peak(held, eviction, self.sink.block_size, len(c.prompt_ids) + len(c.output_ids))
+            m = self.sink.metrics
+            if evicted is None:
+                m.eviction_refused.labels(**labels).inc()
+            else:
+                m.evicted_tokens.labels(**labels).inc(evicted["evicted_tokens_per_layer"])
+                m.evicted_freed_blocks.labels(**labels).inc(evicted["freed_blocks"])
+                if evicted["failure"] is not None:
+                    m.eviction_failures.labels(**labels).inc()
+                held = evicting_peak(held, evicted, self.sink.block_size, len(c.prompt_ids) + len(c.output_ids))
         groups = self.table.groups or []
         window = freed(groups, frees, len(c.prompt_ids)) if frees or layer_windows(groups) else None
         if window is not None:
@@ -161,7 +172,7 @@ class Finisher:
         run = VllmRun(
             request_id=c.request_id, model=sink.model, prompt_ids=c.prompt_ids, output_ids=c.output_ids,
             tier=tier, text=c.text, params=sink.params(),
-            **({"policy": eviction["policy"], "budget": eviction["budget"]} if eviction else {}),
+            **({"policy": evicted["policy"], "budget": evicted["budget"]} if evicted else {}),
             kv_cache_bytes_peak=held[0] if held else None,
             kv_cache_bytes_dense=held[2] if held else None,
             skipped_events=skipped,
@@ -172,8 +183,9 @@ class Finisher:
             arrays={**_token_arrays(c, blocks, chunks, drafts), **rows} if tier >= 2 else {},
             vllm=info,
         )
-        if eviction is not None:
-            _attach_evictions(run, eviction, sequence, tier)
+        if evicted is not None:
+            shape = (sum(len(g.layers) for g in groups), groups[0].kv_heads) if groups else None
+            _attach_evictions(run, evicted, sequence, tier, shape)
         if tier >= 2:
             info["importance"] = self.importance.attach(
                 run, c, decode=not sink.settings.ids_only, tokenizer_path=sink.tokenizer_path or sink.config.get(

@@ -56,6 +56,12 @@ class VllmMetrics:
                                       "from every layer counts once).", ["engine", "policy"], registry=r)
         self.evicted_freed_blocks = Counter(P + "evicted_freed_blocks", "KV blocks those evictions gave back to "
                                             "vLLM's pool while their requests ran.", ["engine", "policy"], registry=r)
+        self.eviction_failures = Counter(P + "eviction_failures", "Requests whose eviction inside vLLM failed once "
+                                         "(they kept their newest tokens, then stopped evicting).",
+                                         ["engine", "policy"], registry=r)
+        self.eviction_refused = Counter(P + "eviction_refused", "Requests that asked (vllm_xargs) for an eviction "
+                                        "that cannot run inside vLLM; they were served dense.", ["engine", "policy"],
+                                        registry=r)
         self.trace_traced = Counter(P + "trace_records_traced", "Trace records handed to the writer.",
                                     registry=r)
         self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records dropped because a queue "

@@ -178,3 +178,13 @@ def draft_identity_arrays(steps: list[tuple[int, int, list[int], int]]) -> dict[
             for step, position, draft_ids, accepted in steps for offset, token in enumerate(draft_ids)]
     table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
     return {f"drafted.{name}": table[:, i] for i, name in enumerate(("step", "position", "token_id", "rejected"))}
+
+
+def kept_after(slots: np.ndarray, shape: tuple[int, int], fed: int) -> dict[str, dict[str, list[int]]]:
+    """Per layer and KV head (``shape``), the positions ``[0, fed)`` still held once the ``slots`` (rows of step,
+    layer, KV head, position, score) were evicted, ascending: the last token was sampled, never fed."""
+    held = np.ones((*shape, fed), dtype=bool)
+    rows = slots[(slots[:, 3] < fed) & (slots[:, 1] < shape[0]) & (slots[:, 2] < shape[1])].astype(np.int64)
+    held[rows[:, 1], rows[:, 2], rows[:, 3]] = False
+    return {str(layer): {str(head): np.flatnonzero(held[layer, head]).tolist() for head in range(shape[1])}
+            for layer in range(shape[0])}

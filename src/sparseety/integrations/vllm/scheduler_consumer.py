@@ -84,8 +84,9 @@ class RequestTable:
 
     def on_evict(self, records: list) -> None:
         """``[request id, policy, budget, evicted tokens per layer, freed blocks, compactions, peak tokens, evicted
-        slots, failure]`` when a request that evicted inside vLLM's KV cache finished (``kv-eviction`` hook; the
-        slots are rows of step, layer, kv head, position, score, recorded when the trace is at tier 1 or more)."""
+        slots, failure, refusal]`` when a request that evicted inside vLLM's KV cache finished (``kv-eviction`` hook;
+        the slots are rows of step, layer, kv head, position, score, recorded when the trace is at tier 1 or more),
+        or one whose eviction was refused (``refusal``: why; it was served dense)."""
         for req_id, *fields in records:
             self._entry(self.evictions, req_id, list)[:] = fields
 
@@ -94,7 +95,9 @@ class RequestTable:
         fields = self.evictions.pop(internal_id, None)
         if not fields:
             return None
-        policy, budget, evicted, freed, compactions, peak, slots, failure = fields
+        policy, budget, evicted, freed, compactions, peak, slots, failure, refusal = fields
+        if refusal is not None:
+            return {"policy": str(policy), "refused": str(refusal)}
         return {"policy": str(policy), "budget": int(budget), "evicted_tokens_per_layer": int(evicted),
                 "freed_blocks": int(freed), "compactions": int(compactions), "peak_tokens": int(peak),
                 "failure": failure, "slots": slots}
