@@ -125,3 +125,17 @@ def test_dense_and_topk_attention_protect_every_slot():
     for name, budget in (("dense", None), ("topk_attention", 4)):
         scores, _ = build_policy(name, budget).score(observation(6))
         assert torch.isinf(scores).all()
+
+
+def test_a_policy_that_declares_it_reads_no_keys_scores_the_same_without_them():
+    """vLLM's worker hands zero-width keys to these policies instead of copying keys out of its cache."""
+    from sparseety.policies.registry import list_policies
+
+    keyless = [cls.name for cls in list_policies() if not cls.reads_keys and not cls.needs_hidden]
+    assert {"streaming", "random"} <= set(keyless)
+    positions = torch.tensor([[[0, 1, 2, 5, 6, 9, 10, 11], [0, 1, 3, 4, 7, 8, 10, 11]]])
+    for name in keyless:
+        policy = build_policy(name, 5, {})
+        with_keys = observation(8, kv_heads=2, positions=positions, keys=torch.randn(1, 2, 8, 4), step=3)
+        without = observation(8, kv_heads=2, positions=positions, keys=torch.empty(1, 2, 8, 0), step=3)
+        assert torch.equal(policy.score(with_keys)[0], policy.score(without)[0]), name

@@ -151,6 +151,9 @@ class Policy:
     needs_token_ids: ClassVar[bool] = False
     #: True for policies that read :attr:`Observation.hidden` (the engine captures it only for them).
     needs_hidden: ClassVar[bool] = False
+    #: False for policies whose scores never read :attr:`Observation.keys` (an engine that must copy keys out
+    #: of its cache to build the observation, vLLM's worker, then hands a zero-width ``[b, kv_heads, n, 0]``).
+    reads_keys: ClassVar[bool] = True
 
     budget: int | None = None
 

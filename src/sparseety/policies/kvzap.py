@@ -64,6 +64,7 @@ class KVzapPolicy(Policy):
     prefill_signal: ClassVar[Signal] = Signal.NONE
     decode_signal: ClassVar[Signal] = Signal.NONE
     needs_hidden: ClassVar[bool] = True
+    reads_keys: ClassVar[bool] = False
 
     model: str = ""
     surrogate: str = "linear"

@@ -15,6 +15,7 @@ class RandomPolicy(Policy):
     """Evict uniformly at random; the draw depends only on ``(seed, layer, step)``, so runs repeat."""
 
     name: ClassVar[str] = "random"
+    reads_keys: ClassVar[bool] = False
     summary: ClassVar[str] = "seeded random eviction (a baseline)"
 
     seed: int = 0

@@ -19,6 +19,7 @@ class StreamingPolicy(Policy):
     """
 
     name: ClassVar[str] = "streaming"
+    reads_keys: ClassVar[bool] = False
     summary: ClassVar[str] = "attention sinks + recent window (StreamingLLM)"
 
     sinks: int = 4

@@ -96,8 +96,7 @@ class EvictingRequest:
         if policy.needs_hidden:
             if hidden is None or hidden.shape[0] != query.shape[0]:
                 raise RuntimeError(f"the hidden states entering layer {layer}'s attention were not captured")
-            no_keys = query.new_empty(self.kv_heads, n, 0)  # the policy reads the hidden states, not the keys
-            self._score(layer, no_keys, None, end, n, prefill, read, hidden)
+            self._score(layer, self._keys(layer, n, read), None, end, n, prefill, read, hidden)
             return
         signal = policy.prefill_signal if prefill else policy.decode_signal
         if prefill and end < self.prompt_len:
@@ -149,6 +148,11 @@ class EvictingRequest:
         last = query[-1:].transpose(0, 1)[None]  # [1, heads, 1, d]
         return group_mean(row_probs(last, keys[None], scale)[:, :, 0], self.kv_heads)
 
+    def _keys(self, layer: int, n: int, read: SlotReader) -> torch.Tensor:
+        """``[kv_heads, n, D]`` the keys of the ``n`` slots held, read out of the cache only for a policy that reads
+        them (else zero-width: :attr:`Policy.reads_keys`)."""
+        return read(layer, n, False) if self.policy.reads_keys else torch.empty(self.kv_heads, n, 0)
+
     def _score(self, layer: int, keys: torch.Tensor, attention: torch.Tensor | None, end: int, n: int,
                prefill: bool, read: SlotReader, hidden: torch.Tensor | None = None) -> None:
         state = _padded(self.state[layer], n)
@@ -196,7 +200,7 @@ class EvictingRequest:
         if (policy.decode_signal if self.compacted else policy.prefill_signal) is Signal.NONE:
             try:
                 for layer in range(self.layers):
-                    self._score(layer, read(layer, n, False), None, end, n, not self.compacted, read)
+                    self._score(layer, self._keys(layer, n, read), None, end, n, not self.compacted, read)
             except Exception as exc:
                 self.failure = self.failure or f"scoring failed: {exc!r}"
         positions = torch.stack([self.slot_positions(layer, n, end) for layer in range(self.layers)])

@@ -27,7 +27,7 @@ from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.eviction_ledger import Compaction
 from sparseety.integrations.vllm.eviction_settings import EvictionSettings, checkpoint_model
 from sparseety.integrations.vllm.eviction_slots import EvictingRequest
-from sparseety.integrations.vllm.kv_compaction import BlockLayout, compact, probe_layout, read_slots
+from sparseety.integrations.vllm.kv_compaction import BlockLayout, compact, probe_layout, read_slots, slot_index
 
 log = logging.getLogger("sparseety.vllm")
 
@@ -116,10 +116,16 @@ class WorkerEviction:
         request whose block ids per group are ``blocks``."""
         groups = self.groups
         assert groups is not None
+        indices: dict[tuple[int, int, bool], torch.Tensor] = {}  #: one slot index per group, read size and half
 
         def read(layer: int, n: int, values: bool) -> torch.Tensor:
             g, i = self.layer_slots[layer]
-            return read_slots(groups[g][0][i], blocks[g], n, self.layouts[g], values)
+            kv = groups[g][0][i]
+            index = indices.get((g, n, values))
+            if index is None:
+                slots = torch.arange(n, device=kv.device)
+                index = indices[g, n, values] = slot_index(blocks[g], slots, self.layouts[g], kv.shape[1], values)
+            return read_slots(kv, blocks[g], n, self.layouts[g], values, index)
         return read
 
     # -- one forward -----------------------------------------------------------------------------------------

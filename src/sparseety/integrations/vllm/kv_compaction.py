@@ -87,20 +87,30 @@ def fill_holes(keep: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tenso
     return src.reshape(*lead, m), dst.reshape(*lead, m)
 
 
+def slot_index(block_ids: torch.Tensor, slots: torch.Tensor, layout: BlockLayout, heads: int,
+               values: bool | None = None) -> torch.Tensor:
+    """Flat indices ``[H, m, C]`` into one layer's cache ``[num_blocks, H, block_size, 2D]`` (read as one flat
+    tensor, :func:`torch.take`) of token ``slots`` (``[m]`` for every KV head, or ``[H, m]``) of the request whose
+    blocks are ``block_ids``: the key channels (``values`` False), the value channels (True) or both (None, C = 2D).
+    The same for every layer of a KV-cache group, so computed once per compaction or forward."""
+    size, d = layout.block_size, layout.index.shape[1] // 2
+    index = layout.index.to(slots.device)
+    channels = index if values is None else index[:, d:] if values else index[:, :d]  # [size, C]
+    slots = slots.reshape(-1, slots.shape[-1])  # [1 or H, m]
+    rows = block_ids.to(slots.device)[slots // size] * heads + torch.arange(heads, device=slots.device)[:, None]
+    return rows[..., None] * (size * 2 * d) + channels[slots % size]
+
+
 def move_slots(kv: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                layout: BlockLayout) -> None:
     """Copy token slots ``src`` to ``dst`` (``[m]`` for every KV head, or ``[H, m]`` one row per head) of one
     request in one layer's cache ``kv`` ``[num_blocks, H, block_size, 2D]``, through its ``block_ids`` [n_blocks]."""
     if src.numel() == 0:
         return
-    blocks, heads = kv.shape[0], kv.shape[1]
-    flat = kv.view(blocks, heads, -1)
-    size = layout.block_size
-    index = layout.index.to(kv.device)
-    src, dst = src.to(kv.device).reshape(-1, src.shape[-1]), dst.to(kv.device).reshape(-1, dst.shape[-1])
-    head = torch.arange(heads, device=kv.device)[:, None, None]
-    values = flat[block_ids[src // size][..., None], head, index[src % size]]  # [H, m, 2D]: read all, then write
-    flat[block_ids[dst // size][..., None], head, index[dst % size]] = values
+    heads = kv.shape[1]
+    src, dst = src.to(kv.device), dst.to(kv.device)
+    values = torch.take(kv, slot_index(block_ids, src, layout, heads))  # read all, then write
+    kv.put_(slot_index(block_ids, dst, layout, heads), values)
 
 
 def compact(kvs: list[torch.Tensor], block_ids: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor],
@@ -127,13 +137,9 @@ def kept_positions(positions: torch.Tensor, moves: tuple[torch.Tensor, torch.Ten
 
 
 def read_slots(kv: torch.Tensor, block_ids: torch.Tensor, n: int, layout: BlockLayout,
-               values: bool = False) -> torch.Tensor:
-    """The keys (or ``values``) ``[H, n, D]`` of one request's first ``n`` slots in one layer's cache ``kv``."""
-    size = layout.block_size
-    used = -(-n // size)
-    d = layout.index.shape[1] // 2
-    blocks = kv[block_ids[:used].to(kv.device)]  # [used, H, size, 2D]: whole blocks, one copy
-    flat = blocks.view(used, blocks.shape[1], -1)
-    channels = layout.index.to(kv.device)[:, d:] if values else layout.index.to(kv.device)[:, :d]  # [size, D]
-    out = flat[:, :, channels]  # [used, H, size, D]
-    return out.permute(1, 0, 2, 3).reshape(blocks.shape[1], used * size, d)[:, :n]
+               values: bool = False, index: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys (or ``values``) ``[H, n, D]`` of one request's first ``n`` slots in one layer's cache ``kv``
+    (``index``: their :func:`slot_index`, when the caller computed it for the group's other layers)."""
+    if index is None:
+        index = slot_index(block_ids, torch.arange(n, device=kv.device), layout, kv.shape[1], values)
+    return torch.take(kv, index)
