@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_server import VllmServer, require_vllm
+from vllm_server import BLOCK_SIZE, VllmServer, require_vllm
 
 pytestmark = pytest.mark.model
 
@@ -194,7 +194,7 @@ def test_a_policy_vllm_cannot_run_is_served_dense_with_a_warning(server, alone):
 
 
 @pytest.mark.parametrize("policy", POLICIES[:-1])
-def test_the_trace_holds_the_slots_the_own_engine_evicts(policy, stored, own_runs):
+def test_the_trace_holds_the_slots_the_own_engine_evicts(policy, stored, own_runs, alone_responses):
     record = stored[policy]
     # the own engine also evicts after the last forward; vLLM stops with the request (nothing to free)
     last = NEW_TOKENS - 2
@@ -214,6 +214,11 @@ def test_the_trace_holds_the_slots_the_own_engine_evicts(policy, stored, own_run
     assert record["evicted_positions"] == len({s[3] for s in record["slots"]})
     eviction = record["vllm"]["eviction"]
     assert eviction["failure"] is None and eviction["compactions"] == NEW_TOKENS - 1
+    # blocks back to vLLM's pool: the prompt's beyond the budget's, then at every later compaction the block the
+    # budget's next token opened (the budget is two whole blocks)
+    blocks = lambda tokens: -(-tokens // BLOCK_SIZE)  # noqa: E731
+    prompt = alone_responses[policy]["usage"]["prompt_tokens"]
+    assert BUDGET % BLOCK_SIZE == 0 and eviction["freed_blocks"] == blocks(prompt) - blocks(BUDGET) + NEW_TOKENS - 2
     assert record["peak"] < record["dense"]
     assert len(record["vllm"]["prefill_chunks"]) == 2  # the window and column sums crossed a chunk
 
