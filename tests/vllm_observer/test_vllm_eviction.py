@@ -90,7 +90,6 @@ def test_a_preempted_evicting_request_resumes_and_evicts_again(server, outputs):
     import time
 
     import sparseety
-    from sparseety.store import connect
 
     short = [(LICENSES / "GPL-2").read_text()[1000:1450], (LICENSES / "LGPL-2.1").read_text()[1000:1450]]
     long = (LICENSES / "Artistic").read_text()[0:1400]
@@ -105,14 +104,7 @@ def test_a_preempted_evicting_request_resumes_and_evicts_again(server, outputs):
         dense_out = [f.result() for f in dense]
     assert server.metrics()["vllm:num_preemptions_total"] > before, server.log_tail()
     rid = evicting["id"] + "-0"
-    deadline = time.monotonic() + 120
-    while True:
-        rows = dict(connect(server.trace_dir).sql("SELECT request_id, extra_json FROM requests").fetchall())
-        if rid in rows:
-            break
-        assert time.monotonic() < deadline, server.log_tail()
-        time.sleep(1)
-    info = json.loads(rows[rid])["vllm"]
+    info = json.loads(server.stored([rid])[rid][0])["vllm"]
     assert info["num_preemptions"] >= 1 and info["preempted_at_output_tokens"][0] >= COMPARED
     assert info["eviction"]["compactions"] >= 1  # evicted again after resuming
     assert info["eviction"]["failure"] is None and evicting["usage"]["completion_tokens"] == 420

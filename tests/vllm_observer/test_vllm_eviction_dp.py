@@ -7,7 +7,6 @@ that its two engine cores start after the other eviction servers have stopped.""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,7 +31,6 @@ def served(tmp_path_factory):
     """Each request's response and stored record: the requests sent four at a time, until both ranks served."""
     require_vllm()
     from sparseety.models.registry import resolve_model_dir
-    from sparseety.store import connect
 
     base = tmp_path_factory.mktemp("eviction-dp")
     env = {"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_INTERVAL": "1", "SPARSEETY_TIER": "2",
@@ -44,17 +42,8 @@ def served(tmp_path_factory):
             responses = list(pool.map(lambda pt: server.complete(pt[1], NEW_TOKENS, ignore_eos=True, vllm_xargs={
                 "sparseety_policy": pt[0], "sparseety_budget": BUDGET}), ASKED))
         ids = [r["id"] + "-0" for r in responses]
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                rows = dict(connect(server.trace_dir).sql("SELECT request_id, extra_json FROM requests").fetchall())
-                if all(i in rows for i in ids):
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, server.log_tail()
-            time.sleep(1)
-        yield {"responses": responses, "records": [json.loads(rows[i])["vllm"] for i in ids],
+        rows = server.stored(ids)
+        yield {"responses": responses, "records": [json.loads(rows[i][0])["vllm"] for i in ids],
                "metrics": server.metrics(), "log": server.log_tail(3000)}
     finally:
         server.stop()

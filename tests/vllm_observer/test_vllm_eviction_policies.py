@@ -18,7 +18,6 @@ import concurrent.futures
 import json
 import os
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -143,27 +142,16 @@ def stored(server, alone_responses):
     from sparseety.store import connect
 
     ids = {r["id"] + "-0": p for p, r in alone_responses.items()}
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            con = connect(server.trace_dir)
-            rows = con.sql("SELECT request_id, policy, budget, evicted_positions, eviction_events, "
-                           "kv_cache_bytes_peak, kv_cache_bytes_dense, extra_json, document_json "
-                           "FROM requests").fetchall()
-            found = {ids[r[0]]: {"policy": r[1], "budget": r[2], "evicted_positions": r[3], "eviction_events": r[4],
-                                 "peak": r[5], "dense": r[6], "vllm": json.loads(r[7])["vllm"],
-                                 "kept": json.loads(r[8])["sparsity"]["kept_positions_final"],
-                                 "slots": {tuple(e) for e in con.sql(
-                                     "SELECT step, layer, kv_head, position FROM token_events WHERE request_id = ? "
-                                     "AND event = 'evicted'", params=[r[0]]).fetchall()}}
-                     for r in rows if r[0] in ids}
-            if len(found) == len(ids):
-                return found
-        except Exception:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"records of {sorted(ids)} not stored:\n{server.log_tail()}")
-        time.sleep(1)
+    rows = server.stored(list(ids), "policy, budget, evicted_positions, eviction_events, kv_cache_bytes_peak, "
+                         "kv_cache_bytes_dense, extra_json, document_json")
+    con = connect(server.trace_dir)
+    return {ids[rid]: {"policy": r[0], "budget": r[1], "evicted_positions": r[2], "eviction_events": r[3],
+                       "peak": r[4], "dense": r[5], "vllm": json.loads(r[6])["vllm"],
+                       "kept": json.loads(r[7])["sparsity"]["kept_positions_final"],
+                       "slots": {tuple(e) for e in con.sql(
+                           "SELECT step, layer, kv_head, position FROM token_events WHERE request_id = ? "
+                           "AND event = 'evicted'", params=[rid]).fetchall()}}
+            for rid, r in rows.items()}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -254,19 +242,7 @@ def test_the_failure_is_warned_once_recorded_and_vllm_goes_on(server, faulty):
     log = server.log_tail(3000)
     assert log.count("stops evicting") == 1 and "injected fault" in log
     assert server.complete(prompts()[1], 4, **xargs("snapkv"))["usage"]["completion_tokens"] == 4
-    from sparseety.store import connect
-
     failing, neighbour = faulty[0]["id"] + "-0", faulty[1]["id"] + "-0"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            rows = connect(server.trace_dir).sql("SELECT request_id, extra_json FROM requests").fetchall()
-            found = {r[0]: json.loads(r[1]).get("vllm", {}).get("eviction") for r in rows}
-            if failing in found and neighbour in found:
-                break
-        except Exception:
-            pass
-        assert time.monotonic() < deadline, server.log_tail()
-        time.sleep(1)
+    found = {rid: json.loads(r[0])["vllm"]["eviction"] for rid, r in server.stored([failing, neighbour]).items()}
     assert "injected fault" in found[failing]["failure"] and found[failing]["compactions"] == 1
     assert found[neighbour]["failure"] is None and found[neighbour]["compactions"] == NEW_TOKENS - 1

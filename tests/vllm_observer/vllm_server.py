@@ -124,6 +124,24 @@ class VllmServer:
             out[name] = out.get(name, 0.0) + float(value)
         return out
 
+    def stored(self, request_ids: list[str], columns: str = "extra_json", timeout: float = 120) -> dict[str, tuple]:
+        """``request id -> (columns...)`` of the ``requests`` rows of ``request_ids``, once all are stored (the
+        observer writes them after the answers go out); fails with the server's log after ``timeout`` seconds."""
+        from sparseety.store import connect
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                rows = connect(self.trace_dir).sql(f"SELECT request_id, {columns} FROM requests").fetchall()
+                found = {r[0]: tuple(r[1:]) for r in rows if r[0] in request_ids}
+                if len(found) == len(set(request_ids)):
+                    return found
+            except Exception:  # a commit in progress: ask again
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"records of {sorted(request_ids)} not stored:\n{self.log_tail()}")
+            time.sleep(1)
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
