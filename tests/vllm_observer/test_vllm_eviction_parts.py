@@ -10,6 +10,7 @@ import torch
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.eviction_ledger import EvictionLedger
 from sparseety.integrations.vllm.eviction_settings import parse_eviction
+from sparseety.integrations.vllm.strict_values import BadValue
 from sparseety.integrations.vllm.kv_compaction import (
     compact,
     fill_holes,
@@ -22,7 +23,7 @@ from sparseety.integrations.vllm.kv_compaction import (
 
 def test_unset_is_no_eviction_and_dense_evicts_only_what_a_request_asks():
     assert parse_eviction({}) is None
-    s = parse_eviction({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": "x"})
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "dense"})
     assert s is not None and s.for_request({}, 300) is None
     asked = s.for_request({"sparseety_policy": "tova", "sparseety_budget": 32}, 300)
     assert asked is not None and (asked.policy, asked.budget, asked.options) == ("tova", 32, {})
@@ -42,19 +43,51 @@ def test_a_request_can_ask_for_dense_or_another_policy_and_inherits_the_budget()
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"sparseety_policy": "tova", "sparseety_budget": -1}, "sparseety_budget=-1 is not an integer >= 1"),
+    ({"sparseety_policy": "tova", "sparseety_budget": -1}, "sparseety_budget=-1 is not an integer in [1, 1000000000]"),
     ({"sparseety_policy": "tova", "sparseety_ratio": 2}, "sparseety_ratio=2 is not a number in [0, 1)"),
-    ({"sparseety_budget": 8}, "sparseety_budget without sparseety_policy"),
-    ({"sparseety_policy": "tova"}, "sparseety_policy=tova needs exactly one of sparseety_budget"),
+    ({"sparseety_budget": 8}, "sparseety_budget=8 is not used without an evicting sparseety_policy (this server"),
+    ({"sparseety_policy": "tova"}, "sparseety_policy=tova needs sparseety_budget or sparseety_ratio (this server"),
+    ({"sparseety_policy": "tova", "sparseety_budget": 1e400}, "sparseety_budget=inf is not an integer in"),
+    ({"sparseety_policy": "tova", "sparseety_budget": float("nan")}, "sparseety_budget=nan is not an integer in"),
+    ({"sparseety_policy": "tova", "sparseety_budget": 1e300}, "sparseety_budget=1e+300 is not an integer in"),
+    ({"sparseety_policy": "tova", "sparseety_budget": True}, "sparseety_budget=True is not an integer in"),
+    ({"sparseety_policy": "tova", "sparseety_budget": "\u0666\u0664"}, "is not an integer in [1, 1000000000]"),
+    ({"sparseety_policy": "tova", "sparseety_budget": "6_4"}, "sparseety_budget='6_4' is not an integer"),
+    ({"sparseety_policy": "tova", "sparseety_budget": 16.5}, "sparseety_budget=16.5 is not an integer"),
+    ({"sparseety_policy": "tova", "sparseety_ratio": 1.0}, "sparseety_ratio=1.0 is not a number in [0, 1)"),
+    ({"sparseety_policy": "tova", "sparseety_ratio": True}, "sparseety_ratio=True is not a number in [0, 1)"),
+    ({"sparseety_policy": "tova", "sparseety_ratio": 0.5, "sparseety_budget": 8},
+     "sparseety_budget and sparseety_ratio were both given"),
+    ({"sparseety_policy": "dense", "sparseety_budget": 8}, "not used without an evicting sparseety_policy (dense"),
+    ({"sparseety_policy": "tovx", "sparseety_budget": 8}, "'tovx' is not a policy that runs inside vLLM (did you "
+                                                           "mean tova?): one of dense, streaming"),
+    ({"sparseety_policy": 7, "sparseety_budget": 8}, "sparseety_policy=7 is not a policy"),
+    ({"sparseety_policy": "x" * 100_000, "sparseety_budget": 8}, "xxx... (100000 chars) is not a policy"),
+    ({"sparseety_policy": "tova", "sparseety_budget": 8, "sparseety_policy_opts": 5},
+     "sparseety_policy_opts=5 is not key=value pairs or a JSON object in a string"),
+    ({"sparseety_policy": "tova", "sparseety_budget": 8, "sparseety_policy_opts": "{nope"},
+     "sparseety_policy_opts='{nope' is not a JSON object"),
     ({"sparseety_policy": "kvzip", "sparseety_budget": 8}, "sparseety_policy='kvzip' cannot run inside vLLM"),
     ({"sparseety_policy": "tova", "sparseety_budget": 8, "sparseety_policy_opts": "heads=x"}, "heads must be one of"),
 ])
 def test_bad_request_args_name_the_arg(extra, message):
     s = parse_eviction({"SPARSEETY_KV_POLICY": "dense"})
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(BadValue) as info:
         s.for_request(extra, 300)
     assert message in str(info.value)
+    assert len(str(info.value)) < 600  # a value from a request is never repeated whole
+    assert info.value.name.startswith("sparseety_")
 
+
+def test_a_dense_server_gives_its_budget_to_requests_that_name_a_policy():
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": "48"})
+    assert s is not None and s.for_request({}, 300) is None and s.for_request({"sparseety_policy": "dense"}, 300) is None
+    asked = s.for_request({"sparseety_policy": "tova"}, 300)
+    assert asked is not None and (asked.policy, asked.budget) == ("tova", 48)
+    s = parse_eviction({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_RATIO": "0.5"})
+    assert s is not None and s.for_request({"sparseety_policy": "streaming"}, 300).budget == 150
+    asked = s.for_request({"sparseety_policy": "streaming", "sparseety_budget": "32"}, 300)
+    assert asked is not None and asked.budget == 32  # the request's own, in ASCII digits
 
 @pytest.mark.parametrize("env, message", [
     ({"SPARSEETY_KV_POLICY": "kvzip", "SPARSEETY_KV_BUDGET": "64"}, "reconstruction pass of its own"),
@@ -62,10 +95,16 @@ def test_bad_request_args_name_the_arg(extra, message):
      "kvzap with these options gives layers or KV heads different budgets"),
     ({"SPARSEETY_KV_POLICY": "pyramid", "SPARSEETY_KV_BUDGET": "64"}, "layers different budgets"),
     ({"SPARSEETY_KV_POLICY": "topk_attention", "SPARSEETY_KV_BUDGET": "64"}, "deletes no keys"),
-    ({"SPARSEETY_KV_POLICY": "nope", "SPARSEETY_KV_BUDGET": "64"}, "nope"),
-    ({"SPARSEETY_KV_POLICY": "streaming"}, "needs exactly one of SPARSEETY_KV_BUDGET"),
-    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "8", "SPARSEETY_KV_RATIO": "0.5"}, "exactly one"),
+    ({"SPARSEETY_KV_POLICY": "nope", "SPARSEETY_KV_BUDGET": "64"}, "SPARSEETY_KV_POLICY='nope' is not a policy"),
+    ({"SPARSEETY_KV_POLICY": "streaming"}, "needs SPARSEETY_KV_BUDGET=N or SPARSEETY_KV_RATIO=r"),
+    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "8", "SPARSEETY_KV_RATIO": "0.5"}, "both set"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "0"}, "SPARSEETY_KV_BUDGET='0' is not an integer"),
+    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "\u0666\u0664"}, "is not an integer in [1, 1000000000]"),
+    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "6_4"}, "SPARSEETY_KV_BUDGET='6_4' is not an integer"),
+    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "1e400"}, "SPARSEETY_KV_BUDGET='1e400' is not an"),
+    ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_RATIO": "inf"}, "SPARSEETY_KV_RATIO='inf' is not a number"),
+    ({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": "x"}, "SPARSEETY_KV_BUDGET='x' is not an integer"),
+    ({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_POLICY_OPTS": "sinks=8"}, "not used with SPARSEETY_KV_POLICY=dense"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": "64", "SPARSEETY_KV_INTERVAL": "-1"},
      "SPARSEETY_KV_INTERVAL='-1'"),
     ({"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_RATIO": "1.5"}, "SPARSEETY_KV_RATIO='1.5'"),

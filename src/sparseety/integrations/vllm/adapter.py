@@ -87,6 +87,8 @@ MOE_ROUTER = "vllm.model_executor.layers.fused_moe.router.fused_moe_router:Fused
 MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner"
 STATS = "vllm.v1.metrics.stats"
 CONFIG = "vllm.config"
+INPUT = "vllm.v1.engine.input_processor:InputProcessor"
+APP = "vllm.entrypoints.launchers.app"
 IMPL = "attention backend impl (found at the first forward)"  #: the owner of :data:`IMPL_NEEDS`
 FORWARD_PARAMS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 
@@ -240,6 +242,12 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("kv-eviction-worker", "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase", "kv_cache",
             "impl"),
     *_attrs("kv-eviction-worker", "vllm._custom_ops", "cpu_attn_reshape_and_cache"),
+    Need("request-args", INPUT, "_validate_params", ("params", "supported_tasks")),
+    *_attrs("request-args", "vllm.sampling_params:SamplingParams", "extra_args"),
+    *_attrs("request-args", "vllm.exceptions", "VLLMValidationError"),
+    Need("request-args-json", APP, "init_entrypoints_middleware", ("args", "app", "supported_tasks")),
+    *_attrs("request-args-json", "fastapi:FastAPI", "user_middleware"),
+    *_attrs("request-args-json", "starlette.middleware", "Middleware"),
 )
 
 IMPL_NEEDS: tuple[Need, ...] = (
@@ -280,6 +288,10 @@ HOOKS: dict[str, tuple[str, str]] = {
     "kv-eviction": ("engine core", "`SPARSEETY_KV_POLICY` is not applied: every request runs dense, with one "
                     "warning; goes with `kv-eviction-worker`"),
     "kv-eviction-worker": ("worker", "as `kv-eviction`"),
+    "request-args": ("API server", "a bad `sparseety_*` request arg is not refused with HTTP 400: the engine core "
+                     "serves that request dense, with one warning, counted and recorded"),
+    "request-args-json": ("API server", "JSON `true` in a number's place of `vllm_xargs` reads as 1 (vLLM's schema "
+                          "turns it into one); other bad args are still refused by `request-args`"),
 }
 
 
@@ -342,9 +354,9 @@ def _method_problem(owner: Any, need: Need) -> str | None:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return f"{want} (it has no signature)"
-    names = tuple(signature.parameters)
+    names = tuple(signature.parameters)[0 if inspect.ismodule(owner) else 1:]  # a method's ``self`` left out
     params = need.params or ()
-    found = names[1 : len(params) + 1] if need.prefix else names[1:]
+    found = names[: len(params)] if need.prefix else names
     return None if found == params else f"{want} (it has {need.name}{signature})"
 
 
@@ -893,7 +905,17 @@ def truncate_row(runner: Any, req_id: str, group: int, blocks: int) -> None:
     """Make the input batch's block-table row of ``req_id`` in ``group`` hold its first ``blocks`` blocks."""
     row = runner.input_batch.req_id_to_index.get(req_id)
     if row is not None:
-        runner.input_batch.block_table.block_tables[group].num_blocks_per_row[row] = blocks
+        table = runner.input_batch.block_table.block_tables[group]
+        table.num_blocks_per_row[row] = blocks
+        # the entries past them point at blocks now another request's: the null block (0) instead, so a write
+        # that missed its shifted slot mapping lands where nobody reads
+        table.block_table.np[row, blocks:] = 0
+        table.block_table.gpu[row, blocks:] = 0
+
+
+def group_block_sizes(runner: Any) -> list[int]:
+    """The block size of each KV-cache group, in order."""
+    return [group.kv_cache_spec.block_size for group in runner.kv_cache_config.kv_cache_groups]
 
 
 def group_caches(runner: Any) -> list[tuple[list[Any], int, Any]]:
@@ -954,3 +976,21 @@ def shift_inputs(runner: Any, offsets: dict[str, int]) -> None:
             size = table.block_size
             ids = table.block_table.gpu[row].to(torch.int64)
             table.slot_mapping.gpu[a:b] = ids[slots // size] * size + slots % size
+
+
+# -- API server: the request-arg checks ----------------------------------------------------------------------
+def validation_error() -> Any:
+    """vLLM's ``VLLMValidationError`` (``(message, parameter=...)``; vLLM answers it with HTTP 400)."""
+    return resolve("vllm.exceptions:VLLMValidationError")
+
+
+def sampling_extra_args(params: Any) -> Any:
+    """A request's ``SamplingParams.extra_args`` (``vllm_xargs``), or None (pooling params have none)."""
+    return getattr(params, "extra_args", None)
+
+
+def add_inner_middleware(app: Any, cls: type, *args: Any) -> None:
+    """Add ASGI middleware ``cls(app, *args)`` innermost in vLLM's FastAPI ``app``: after its CORS and
+    authentication middleware, so a client that is not let in learns nothing from it."""
+    middleware = resolve("starlette.middleware:Middleware")
+    app.user_middleware.append(middleware(cls, *args))

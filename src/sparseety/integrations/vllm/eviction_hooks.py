@@ -31,8 +31,9 @@ from typing import Any
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.eviction_ledger import EvictionLedger, refused_record
-from sparseety.integrations.vllm.eviction_settings import POLICY_ARG, EvictionSettings, parse_eviction
+from sparseety.integrations.vllm.eviction_settings import POLICY_ARG, EvictionSettings
 from sparseety.integrations.vllm.hooks import guarded
+from sparseety.integrations.vllm.strict_values import clipped
 
 log = logging.getLogger("sparseety.vllm")
 HOOK = "kv-eviction"
@@ -58,11 +59,14 @@ class EngineCoreEviction:
         """Track ``rid`` when it evicts (the settings, or its ``vllm_xargs``); True when it does."""
         try:
             asked = self.settings.for_request(extra, prompt_tokens, self.model)
-        except ConfigError as exc:
+        except Exception as exc:  # a bad arg the API server did not refuse, or a failure of SparSEEty's own
             if len(self.refused) >= REFUSED_LIMIT:  # requests aborted before vLLM freed anything
                 self.refused.pop(next(iter(self.refused)))
-            self.refused[rid] = refused_record(rid, str((extra or {}).get(POLICY_ARG) or self.settings.policy), str(exc))
-            log.warning("sparseety: request %s runs dense: %s", rid, exc)
+            why = clipped(str(exc) if isinstance(exc, ConfigError) else f"eviction could not start: {exc!r}", 400)
+            asked_policy = (extra or {}).get(POLICY_ARG)
+            policy = clipped(asked_policy if isinstance(asked_policy, str) and asked_policy else self.settings.policy)
+            self.refused[rid] = refused_record(rid, policy, why)
+            log.warning("sparseety: request %s runs dense: %s", rid, why)
             return False
         if asked is None:
             return False
@@ -73,13 +77,25 @@ class EngineCoreEviction:
         """Plan and free: the compactions of this step, as lists for the worker."""
         orders = []
         for rid, computed, prompt in adapter.running_requests(scheduler):
-            order = self.ledger.plan(rid, computed, prompt)
-            if order is None:
+            try:  # nothing of vLLM's is changed before the blocks are freed, so a failure here changes nothing
+                order = self.ledger.plan(rid, computed, prompt)
+                if order is None:
+                    continue
+                freed = adapter.shrink_blocks(scheduler, rid, order.kept)
+            except Exception as exc:
+                self.stop(rid, f"planning its compaction failed: {exc!r}")
                 continue
-            freed = adapter.shrink_blocks(scheduler, rid, order.kept)
             self.ledger.apply(order, freed)
             orders.append(order.as_list())
         return orders
+
+    def stop(self, rid: str, reason: str) -> None:
+        """``rid`` stops evicting (it keeps what it holds and grows from there), with one warning."""
+        led = self.ledger.requests.get(rid)
+        if led is not None and led.failure is None:
+            led.failure = reason
+            self.failed += 1
+            log.warning("sparseety: request %s stops evicting: %s", rid, reason)
 
     def message(self, orders: list[list], scheduled: Any) -> dict[str, Any]:
         """What the worker needs this step; orders of requests vLLM preempted while scheduling are dropped
@@ -88,6 +104,12 @@ class EngineCoreEviction:
         offsets = {rid: self.ledger.offset(rid) for rid in scheduled if self.ledger.offset(rid)}
         reset, self.preempted = self.preempted, []
         return {"compact": orders, "offset": offsets, "reset": reset}
+
+    def fallback_message(self, orders: list[list]) -> dict[str, Any]:
+        """The worker's message when :meth:`message` failed: every order (their blocks are already free, so the
+        worker must cut them) and every tracked request's offset."""
+        offsets = {rid: led.offset for rid, led in self.ledger.requests.items() if led.offset}
+        return {"compact": orders, "offset": offsets, "reset": []}
 
     def receive(self, outbox: Any) -> None:
         """The worker's report on the ``ModelRunnerOutput`` (evicted slots, failed compactions)."""
@@ -117,42 +139,37 @@ _WORKER: Any = None  #: the worker's :class:`.eviction_worker.WorkerEviction` (t
 _SEND: Callable[[str, list[list], Any], None] | None = None  #: the scheduler channel to the observer
 
 
-def install(loud: bool, send: Callable[[str, list[list], Any], None] | None = None) -> None:
-    """Install the eviction hooks when ``SPARSEETY_KV_POLICY`` asks for eviction (nothing otherwise). A bad
-    setting is raised when vLLM builds its scheduler, so vLLM refuses to start naming it. ``send(kind, records,
-    requests)`` carries each finished request's eviction record to the observer."""
+def install(loud: bool, settings: EvictionSettings | None,
+            send: Callable[[str, list[list], Any], None] | None = None) -> bool:
+    """Install the eviction hooks when ``settings`` (``SPARSEETY_KV_POLICY``, checked by the plugin before vLLM
+    loads a model) ask for eviction; True when they are on. ``send(kind, records, requests)`` carries each
+    finished request's eviction record to the observer."""
     global _WORKER, _SEND
     _SEND = send
-    try:
-        settings = parse_eviction()
-        problem = None
-    except Exception as exc:  # reported at the scheduler's start, where it stops vLLM with the reason
-        settings, problem = None, str(exc)
-    if settings is None and problem is None:
-        return
+    if settings is None:
+        return False
     on = adapter.check((HOOK, HOOK_WORKER), loud=loud)
     if not (on[HOOK] and on[HOOK_WORKER]):
-        return
-    if settings is not None:
-        from sparseety.integrations.vllm.eviction_worker import WorkerEviction
+        return False
+    from sparseety.integrations.vllm.eviction_worker import WorkerEviction
 
-        _WORKER = WorkerEviction(settings)
-    _patch_scheduler(settings, problem)
+    _WORKER = WorkerEviction(settings)
+    _patch_scheduler(settings)
     _patch_managers()
     _patch_runner()
+    return True
 
 
-def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> None:
+def _patch_scheduler(settings: EvictionSettings) -> None:
     scheduler = adapter.resolve(adapter.SCHED)
 
     def make_init(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
             global _CORE
-            refusal = problem or adapter.eviction_refusal(self.vllm_config, self.kv_cache_config)
+            refusal = adapter.eviction_refusal(self.vllm_config, self.kv_cache_config)
             if refusal is not None:
                 raise ConfigError(f"sparseety: SPARSEETY_KV_POLICY cannot run: {refusal}")
-            assert settings is not None
             block = min(g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups)
             model = adapter.served_path(self.vllm_config)
             if settings.policy != "dense":  # a surrogate missing for this model refuses here, not per request
@@ -165,18 +182,17 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
     def make_add(original):
         def add_request(self, request, *args, **kwargs):
             if _CORE is not None:
-                rid, prompt = adapter.request_id(request), adapter.prompt_tokens(request)
-                if _CORE.admit(rid, prompt, adapter.request_extra_args(request)):
-                    adapter.skip_prefix_cache(request)
+                guarded(HOOK, _admit, _CORE, request)
             return original(self, request, *args, **kwargs)
         return add_request
 
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
-            orders = _CORE.before_schedule(self) if _CORE is not None else []
+            orders = (guarded(HOOK, _CORE.before_schedule, self) or []) if _CORE is not None else []
             output = original(self, *args, **kwargs)
             if _CORE is not None:
-                setattr(output, ORDERS, _CORE.message(orders, output.num_scheduled_tokens))
+                setattr(output, ORDERS, guarded(HOOK, _CORE.message, orders, output.num_scheduled_tokens)
+                        or _CORE.fallback_message(orders))
             return output
         return schedule
 
@@ -184,10 +200,7 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
         def _free_request_blocks(self, request, *args, **kwargs):
             result = original(self, request, *args, **kwargs)
             if _CORE is not None:
-                rid, finished = adapter.request_finished(request)
-                record = _CORE.freed(rid, finished)
-                if record is not None and _SEND is not None:
-                    guarded(HOOK, _SEND, "evict", [record], {rid: request})
+                guarded(HOOK, _freed, _CORE, request)
             return result
         return _free_request_blocks
 
@@ -204,6 +217,23 @@ def _patch_scheduler(settings: EvictionSettings | None, problem: str | None) -> 
     adapter.patch(scheduler, "add_request", HOOK, make_add)
     adapter.patch(scheduler, "schedule", HOOK, make_schedule)
     adapter.patch(scheduler, "_free_request_blocks", HOOK, make_free)
+
+
+def _admit(core: EngineCoreEviction, request: Any) -> None:
+    rid = adapter.request_id(request)
+    if core.admit(rid, adapter.prompt_tokens(request), adapter.request_extra_args(request)):
+        try:
+            adapter.skip_prefix_cache(request)
+        except Exception:
+            core.ledger.forget(rid)  # it runs dense: its blocks may be shared
+            raise
+
+
+def _freed(core: EngineCoreEviction, request: Any) -> None:
+    rid, finished = adapter.request_finished(request)
+    record = core.freed(rid, finished)
+    if record is not None and _SEND is not None:
+        guarded(HOOK, _SEND, "evict", [record], {rid: request})
 
 
 def _offset_of(request_id: str) -> int:
@@ -238,7 +268,9 @@ def _patch_runner() -> None:
         def _update_states(self, scheduler_output, *args, **kwargs):
             if _WORKER is not None:
                 message = getattr(scheduler_output, ORDERS, None)
-                _WORKER.before_update(self, message, scheduler_output.finished_req_ids)
+                done = guarded(HOOK_WORKER, _WORKER.before_update, self, message, scheduler_output.finished_req_ids)
+                if done is None and message:  # the scheduler freed the blocks: they must leave the block table
+                    guarded(HOOK_WORKER, _WORKER.cut_only, self, message)
             return original(self, scheduler_output, *args, **kwargs)
         return _update_states
 
@@ -246,7 +278,7 @@ def _patch_runner() -> None:
         def _prepare_inputs(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
             if _WORKER is not None and _WORKER.offsets:
-                adapter.shift_inputs(self, _WORKER.offsets)
+                guarded(HOOK_WORKER, adapter.shift_inputs, self, _WORKER.offsets)
             return result
         return _prepare_inputs
 

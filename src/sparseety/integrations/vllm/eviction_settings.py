@@ -19,6 +19,7 @@ otherwise. A policy that reads the model (``kvzap``'s surrogate) is bound to the
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -27,9 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety.errors import ConfigError
+from sparseety.integrations.vllm.strict_values import BadValue, clipped, decimal_int, decimal_number, is_blank, shown
 
 POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG = "sparseety_policy", "sparseety_budget", "sparseety_ratio", \
     "sparseety_policy_opts"  #: the per-request ``vllm_xargs``
+EVICTION_ARGS = (POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG)
+MAX_BUDGET = 10**9  #: the largest budget or interval accepted (a larger one is a typo, and would not serialise)
 _SIGNALS_IN_VLLM = ("none", "last_row", "window", "colsum")
 #: options a policy takes inside vLLM unless given: one block table per KV-cache group keeps one count per layer
 VLLM_DEFAULTS: dict[str, dict[str, Any]] = {"kvzap": {"per_head": False}}
@@ -70,27 +74,33 @@ class EvictionSettings:
     def for_request(self, extra: Mapping[str, Any] | None, prompt_tokens: int,
                     model: str | None = None) -> RequestEviction | None:
         """What one request evicts: these settings, or what its ``vllm_xargs`` ask (None: it runs dense).
-        Raises :class:`ConfigError` naming the arg when they ask for something that cannot run (``model``:
-        the served checkpoint's directory, to bind a policy that reads the model)."""
+        Raises :class:`~.strict_values.BadValue` naming the arg when they ask for something that cannot run
+        (``model``: the served checkpoint's directory, to bind a policy that reads the model)."""
         extra = extra or {}
-        asked = {k for k in (POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG) if extra.get(k) is not None}
-        policy = str(extra.get(POLICY_ARG) or self.policy).strip()
+        asked = [k for k in EVICTION_ARGS if not is_blank(extra.get(k))]
+        raw_policy = extra.get(POLICY_ARG)
+        policy = self.policy if is_blank(raw_policy) else policy_name(raw_policy, POLICY_ARG)
         if policy == "dense":
-            if asked - {POLICY_ARG}:
-                raise ConfigError(f"{', '.join(sorted(asked - {POLICY_ARG}))} without {POLICY_ARG}: this server "
-                                  "evicts nothing unless a request names a policy")
+            given = [k for k in asked if k != POLICY_ARG]
+            if given:
+                why = ("dense keeps every token" if POLICY_ARG in asked else
+                       f"this server evicts only for requests that name {POLICY_ARG}")
+                raise BadValue(given[0], f"{given[0]}={shown(extra[given[0]])} is not used without an evicting "
+                               f"{POLICY_ARG} ({why})")
             return None
-        budget = _positive_int(extra.get(BUDGET_ARG), BUDGET_ARG)
-        ratio = _ratio(extra.get(RATIO_ARG), RATIO_ARG)
+        budget = None if is_blank(extra.get(BUDGET_ARG)) else decimal_int(extra[BUDGET_ARG], BUDGET_ARG, 1, MAX_BUDGET)
+        ratio = None if is_blank(extra.get(RATIO_ARG)) else _ratio(extra[RATIO_ARG], RATIO_ARG)
+        if budget is not None and ratio is not None:
+            raise BadValue(RATIO_ARG, f"{BUDGET_ARG} and {RATIO_ARG} were both given: give one of them")
         if budget is None and ratio is None:  # the server's budget
             budget, ratio = self.budget, self.ratio
         if OPTS_ARG in asked:
-            raw = extra[OPTS_ARG]
-            options = dict(raw) if isinstance(raw, Mapping) else _options(str(raw), OPTS_ARG)
+            options = options_of(extra[OPTS_ARG], OPTS_ARG)
         else:
             options = self.options if policy == self.policy else {}
-        if (budget is None) == (ratio is None):
-            raise ConfigError(f"{POLICY_ARG}={policy} needs exactly one of {BUDGET_ARG} or {RATIO_ARG}")
+        if budget is None and ratio is None:
+            raise BadValue(BUDGET_ARG, f"{POLICY_ARG}={policy} needs {BUDGET_ARG} or {RATIO_ARG} (this server has "
+                           "no SPARSEETY_KV_BUDGET or SPARSEETY_KV_RATIO to fall back on)")
         return checked(policy, budget, ratio, options, prompt_tokens, arg=POLICY_ARG, model=model)
 
 
@@ -113,7 +123,8 @@ class RequestEviction:
 def checked(policy: str, budget: int | None, ratio: float | None, options: dict[str, Any], prompt_tokens: int,
             arg: str = "SPARSEETY_KV_POLICY", model: str | None = None) -> RequestEviction:
     """The eviction of a request with ``prompt_tokens`` prompt tokens, its policy built and checked for vLLM
-    (with its :data:`VLLM_DEFAULTS`), and bound to the checkpoint in ``model`` when given."""
+    (with its :data:`VLLM_DEFAULTS`), and bound to the checkpoint in ``model`` when given. Raises
+    :class:`~.strict_values.BadValue` naming ``arg``."""
     from sparseety.policies.registry import build_policy, resolve_budget
 
     options = {**VLLM_DEFAULTS.get(policy, {}), **options}
@@ -121,17 +132,46 @@ def checked(policy: str, budget: int | None, ratio: float | None, options: dict[
         resolved = resolve_budget(budget, ratio, max(prompt_tokens, 1))
         built = build_policy(policy, resolved, options)
     except ConfigError as exc:
-        raise ConfigError(f"{arg}: {exc}") from None
+        raise BadValue(arg, f"{arg}={policy}: {clipped(str(exc), 400)}") from None
     refusal = vllm_refusal(built)
     if refusal is not None:
-        raise ConfigError(f"{arg}={policy!r} cannot run inside vLLM: {refusal}")
+        raise BadValue(arg, f"{arg}={policy!r} cannot run inside vLLM: {refusal}")
     if model:
         try:
             built.bind(checkpoint_model(model))
         except ConfigError as exc:
-            raise ConfigError(f"{arg}={policy!r}: {exc}") from None
+            raise BadValue(arg, f"{arg}={policy!r}: {exc}") from None
     assert resolved is not None
     return RequestEviction(policy, int(resolved), options)
+
+
+def policy_name(raw: Any, arg: str) -> str:
+    """``raw`` as a registered policy's name, or :class:`~.strict_values.BadValue` listing those that run inside
+    vLLM (``dense`` among them)."""
+    from sparseety.policies.registry import list_policies
+
+    name = raw.strip() if isinstance(raw, str) else None
+    if name is None or name not in {cls.name for cls in list_policies()} | {"dense"}:
+        near = difflib.get_close_matches(name or "", vllm_policies(), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise BadValue(arg, f"{arg}={shown(raw)} is not a policy that runs inside vLLM{hint}: one of "
+                       f"{', '.join(vllm_policies())}")
+    return name
+
+
+@functools.cache
+def vllm_policies() -> tuple[str, ...]:
+    """The registered policies that can evict inside vLLM (with their vLLM variant and a budget of 64), and dense."""
+    from sparseety.policies.registry import build_policy, list_policies
+
+    names = []
+    for cls in list_policies():
+        try:
+            if vllm_refusal(build_policy(cls.name, 64, VLLM_DEFAULTS.get(cls.name, {}))) is None:
+                names.append(cls.name)
+        except Exception:  # a policy that cannot be built with a budget alone does not run here
+            continue
+    return ("dense", *names)
 
 
 @functools.cache
@@ -155,66 +195,61 @@ def checkpoint_model(path: str) -> Any:
                      fingerprint=functools.cache(functools.partial(checkpoint_fingerprint, path)))
 
 
-def _positive_int(raw: Any, name: str) -> int | None:
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
-        return None
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        value = 0
-    if value < 1 or (isinstance(raw, float) and raw != value):
-        raise ConfigError(f"{name}={raw!r} is not an integer >= 1")
-    return value
-
-
-def _ratio(raw: Any, name: str) -> float | None:
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
-        return None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={raw!r} is not a number in [0, 1)") from None
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name}={raw!r} is not a number in [0, 1)")
-    return value
+def _ratio(raw: Any, name: str) -> float:
+    return decimal_number(raw, name, 0.0, 1.0, high_open=True)
 
 
 def parse_eviction(env: Mapping[str, str] | None = None) -> EvictionSettings | None:
     """The eviction asked for in ``env`` (default ``os.environ``), or None: vLLM runs as without SparSEEty.
-    Raises :class:`ConfigError` naming the variable and what is allowed."""
+    Raises :class:`~.strict_values.BadValue` naming the variable and what is allowed. With ``dense``,
+    ``SPARSEETY_KV_BUDGET`` / ``SPARSEETY_KV_RATIO`` are the default of requests that name a policy."""
     env = os.environ if env is None else env
-    policy = (env.get("SPARSEETY_KV_POLICY") or "").strip()
-    if policy == "":
+    raw_policy = env.get("SPARSEETY_KV_POLICY")
+    if is_blank(raw_policy):
         return None
-    interval = _positive_int(env.get("SPARSEETY_KV_INTERVAL"), "SPARSEETY_KV_INTERVAL")
-    if policy == "dense":
-        return EvictionSettings("dense", interval=interval)
-    budget = _positive_int(env.get("SPARSEETY_KV_BUDGET"), "SPARSEETY_KV_BUDGET")
-    ratio = None
+    policy = policy_name(raw_policy, "SPARSEETY_KV_POLICY")
+    raw = env.get("SPARSEETY_KV_INTERVAL")
+    interval = None if is_blank(raw) else decimal_int(raw, "SPARSEETY_KV_INTERVAL", 1, MAX_BUDGET)
+    raw = env.get("SPARSEETY_KV_BUDGET")
+    budget = None if is_blank(raw) else decimal_int(raw, "SPARSEETY_KV_BUDGET", 1, MAX_BUDGET)
     raw = env.get("SPARSEETY_KV_RATIO")
-    if raw is not None and raw.strip():
-        ratio = _ratio(raw, "SPARSEETY_KV_RATIO")
-    if (budget is None) == (ratio is None):
-        raise ConfigError(f"SPARSEETY_KV_POLICY={policy} needs exactly one of SPARSEETY_KV_BUDGET=N or "
-                          "SPARSEETY_KV_RATIO=r")
-    options = _options(env.get("SPARSEETY_KV_POLICY_OPTS") or "", "SPARSEETY_KV_POLICY_OPTS")
+    ratio = None if is_blank(raw) else _ratio(raw, "SPARSEETY_KV_RATIO")
+    if budget is not None and ratio is not None:
+        raise BadValue("SPARSEETY_KV_RATIO", "SPARSEETY_KV_BUDGET and SPARSEETY_KV_RATIO are both set: set one of them")
+    options = options_of(env.get("SPARSEETY_KV_POLICY_OPTS") or "", "SPARSEETY_KV_POLICY_OPTS")
+    if policy == "dense":
+        if options:
+            raise BadValue("SPARSEETY_KV_POLICY_OPTS", "SPARSEETY_KV_POLICY_OPTS is not used with "
+                           "SPARSEETY_KV_POLICY=dense (a request gives its policy's options in sparseety_policy_opts)")
+        return EvictionSettings("dense", budget, ratio, interval)
+    if budget is None and ratio is None:
+        raise BadValue("SPARSEETY_KV_BUDGET", f"SPARSEETY_KV_POLICY={policy} needs SPARSEETY_KV_BUDGET=N or "
+                       "SPARSEETY_KV_RATIO=r")
     checked(policy, budget, ratio, options, 1_000_000, arg="SPARSEETY_KV_POLICY")
     return EvictionSettings(policy, budget, ratio, interval, options)
 
 
-def _options(raw: str, name: str) -> dict[str, Any]:
-    """``key=value`` pairs separated by commas or spaces, or a JSON object."""
-    raw = raw.strip()
-    if not raw:
+def options_of(raw: Any, name: str) -> dict[str, Any]:
+    """A policy's options: ``key=value`` pairs separated by commas or spaces, a JSON object in a text, or (from
+    Python) a mapping; :class:`~.strict_values.BadValue` naming ``name`` otherwise."""
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    if not isinstance(raw, str):
+        raise BadValue(name, f"{name}={shown(raw)} is not key=value pairs or a JSON object in a string")
+    text = raw.strip()
+    if not text:
         return {}
-    if raw.startswith("{"):
+    if text.startswith("{"):
         try:
-            value = json.loads(raw)
+            value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{name} is not a JSON object: {exc}") from None
+            raise BadValue(name, f"{name}={shown(raw)} is not a JSON object: {exc}") from None
         if not isinstance(value, dict):
-            raise ConfigError(f"{name} must be a JSON object or key=value pairs")
+            raise BadValue(name, f"{name}={shown(raw)} is not a JSON object")
         return value
     from sparseety.policies.registry import parse_policy_opts
 
-    return dict(parse_policy_opts(raw.replace(",", " ").split(), flag=name))
+    try:
+        return dict(parse_policy_opts(text.replace(",", " ").split(), flag=name))
+    except ConfigError as exc:
+        raise BadValue(name, clipped(str(exc), 200)) from None

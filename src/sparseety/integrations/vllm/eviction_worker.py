@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.eviction_ledger import Compaction
 from sparseety.integrations.vllm.eviction_settings import EvictionSettings, checkpoint_model
@@ -94,8 +93,8 @@ class WorkerEviction:
         if known is not None:
             try:
                 asked = self.settings.for_request(known[1], known[0])
-            except ConfigError:
-                asked = None  # the scheduler warned and runs it dense
+            except Exception:
+                asked = None  # the scheduler refused it the same way: it runs dense
             if asked is not None:
                 from sparseety.policies.registry import build_policy
 
@@ -185,7 +184,8 @@ class WorkerEviction:
         return {"evicted": evicted, "failed": failed}
 
     # -- compactions, before a step ------------------------------------------------------------------------------
-    def before_update(self, runner: Any, message: dict[str, Any] | None, finished: Any) -> None:
+    def before_update(self, runner: Any, message: dict[str, Any] | None, finished: Any) -> bool:
+        """Carry out the scheduler's ``message`` (orders, offsets, resets) before vLLM updates the batch; True."""
         for rid in finished:
             self.requests.pop(rid, None)
         self.offsets = dict(message["offset"]) if message else {}
@@ -195,6 +195,25 @@ class WorkerEviction:
                 request.reset()
         for item in message["compact"] if message else ():
             self.carry_out(runner, Compaction(*item))
+        return True
+
+    def cut_only(self, runner: Any, message: dict[str, Any]) -> None:
+        """When :meth:`before_update` failed: each ordered request's blocks past those it keeps leave its block
+        table (the scheduler already gave them to others), its offset holds, and it stops evicting."""
+        self.offsets = dict(message.get("offset") or {})
+        for rid, _logical, _physical, kept in message.get("compact") or ():
+            self._cut(runner, rid, kept)
+            request = self.requests.get(rid)
+            if request is not None:
+                self.failed.setdefault(rid, "its compaction failed; it keeps its oldest slots")
+
+    def _cut(self, runner: Any, rid: str, kept: int) -> None:
+        block_lists = adapter.request_blocks(runner, rid)
+        for g, block_size in enumerate(adapter.group_block_sizes(runner)):
+            kept_blocks = -(-kept // block_size)
+            if block_lists is not None:
+                del block_lists[g][kept_blocks:]
+            adapter.truncate_row(runner, rid, g, kept_blocks)
 
     def carry_out(self, runner: Any, order: Compaction) -> None:
         """Keep ``order.kept`` of the request's slots in every layer, in place, and cut its blocks."""
@@ -205,17 +224,17 @@ class WorkerEviction:
         self.ensure_layers(runner)
         assert self.groups is not None
         blocks = _tensors(block_lists)
-        src, dst = request.moves(order.logical, order.physical, order.kept, self.reader(blocks))
-        if request.failure is not None and not request.warned:
-            request.warned = True
-            self.failed[order.rid] = request.failure
-            log.warning("sparseety: request %s keeps its newest tokens instead of %s's choice: %s", order.rid,
-                        request.policy.name, request.failure)
-        start = 0
-        for g, (caches, block_size, _layer) in enumerate(self.groups):
-            stop = start + len(caches)
-            compact(caches, blocks[g], (src[start:stop], dst[start:stop]), self.layouts[g])
-            start = stop
-            kept_blocks = -(-order.kept // block_size)
-            del block_lists[g][kept_blocks:]
-            adapter.truncate_row(runner, order.rid, g, kept_blocks)
+        try:
+            src, dst = request.moves(order.logical, order.physical, order.kept, self.reader(blocks))
+            if request.failure is not None and not request.warned:
+                request.warned = True
+                self.failed[order.rid] = request.failure
+                log.warning("sparseety: request %s keeps its newest tokens instead of %s's choice: %s", order.rid,
+                            request.policy.name, request.failure)
+            start = 0
+            for g, (caches, _block_size, _layer) in enumerate(self.groups):
+                stop = start + len(caches)
+                compact(caches, blocks[g], (src[start:stop], dst[start:stop]), self.layouts[g])
+                start = stop
+        finally:  # whatever happened, the blocks the scheduler freed leave the block table
+            self._cut(runner, order.rid, order.kept)

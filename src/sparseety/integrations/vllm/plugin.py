@@ -40,8 +40,11 @@ import logging
 import os
 from typing import Any
 
-from sparseety.integrations.vllm import adapter, eviction_hooks
+from sparseety.errors import ConfigError
+from sparseety.integrations.vllm import adapter, eviction_hooks, request_guard
 from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_channel
+from sparseety.integrations.vllm.env_names import unknown_variables
+from sparseety.integrations.vllm.eviction_settings import EvictionSettings, parse_eviction
 from sparseety.integrations.vllm.hooks import guarded
 from sparseety.integrations.vllm.window_frees import WindowFrees
 
@@ -55,8 +58,12 @@ def register() -> None:
     """Install the hooks (idempotent, never raising). A hook whose vLLM internal is missing or changed
     is off, with one warning (in the first process that registers; the processes it starts stay quiet)."""
     global _ROUTE
+    loud = CHANNEL_ENV not in os.environ
+    eviction = _eviction_or_exit()
     try:
-        loud = CHANNEL_ENV not in os.environ
+        if loud:
+            for line in unknown_variables(os.environ):
+                log.warning(line)
         channel()
         on = adapter.check(("ranks", *ENGINE_CORE_HOOKS, *FRONTEND_HOOKS), loud=loud)
         _ROUTE = on["ranks"]
@@ -75,9 +82,20 @@ def register() -> None:
         if on["finished-requests"]:
             _patch_finished(output_processor)
         _patch_attention(loud)
-        eviction_hooks.install(loud, send=_send)
+        evicting = eviction_hooks.install(loud, eviction, send=_send)
+        request_guard.install(loud, eviction if evicting else None)
     except Exception:
         log.exception("sparseety: installing the vLLM hooks failed; vLLM is unaffected")
+
+
+def _eviction_or_exit() -> EvictionSettings | None:
+    """The ``SPARSEETY_KV_*`` settings, or SystemExit with one line naming the bad one: in ``vllm serve``'s first
+    process this runs while vLLM reads its arguments, before any model loads."""
+    try:
+        return parse_eviction()
+    except ConfigError as exc:
+        raise SystemExit(f"sparseety: {exc}; vLLM not started (unset SPARSEETY_KV_POLICY to serve without "
+                         "SparSEEty's eviction)") from None
 
 
 def _patch_attention(loud: bool) -> None:
