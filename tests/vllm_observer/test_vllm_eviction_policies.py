@@ -3,7 +3,7 @@
 ``per_head=false``, reading the hidden states entering each layer's attention) gives the own engine's greedy tokens at the
 same budget, alone and in one batch with a dense request and the other policies, and its trace holds the slots the
 own engine evicts, step by step, layer by layer and head by head; the dense request gives the own engine's dense
-tokens; a request asking for a policy vLLM cannot run is served dense, with a warning. The prompts are prefilled in
+tokens; a request asking for a policy vLLM cannot run gets HTTP 400 naming it. The prompts are prefilled in
 two chunks (128 tokens a step), so ``snapkv``'s window, ``h2o``'s column sums and ``kvzap``'s per-token scores are
 carried over chunks.
 
@@ -173,12 +173,14 @@ def test_eviction_changes_the_tokens(server, own):
     assert dense != own["tova"]  # the comparison above could fail: eviction is visible in these tokens
 
 
-def test_a_policy_vllm_cannot_run_is_served_dense_with_a_warning(server, alone):
-    text = prompts()[-1]
-    out = server.complete(text, NEW_TOKENS, ignore_eos=True,
-                          vllm_xargs={"sparseety_policy": "kvzip", "sparseety_budget": BUDGET})
-    assert tokens(out) == alone["dense"]
-    assert "sparseety_policy='kvzip' cannot run inside vLLM" in server.log_tail(400)
+def test_a_policy_vllm_cannot_run_gets_http_400_naming_it(server):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as info:
+        server.complete(prompts()[-1], NEW_TOKENS, vllm_xargs={"sparseety_policy": "kvzip", "sparseety_budget": BUDGET})
+    error = json.loads(info.value.read())["error"]
+    assert info.value.code == 400 and error["param"] == "sparseety_policy"
+    assert "sparseety_policy='kvzip' cannot run inside vLLM" in error["message"]
 
 
 @pytest.mark.parametrize("policy", POLICIES[:-1])

@@ -955,10 +955,10 @@ def cache_writer(layer: Any) -> Any:
     return write
 
 
-def shift_inputs(runner: Any, offsets: dict[str, int]) -> None:
+def shift_inputs(runner: Any, offsets: dict[str, int]) -> bool:
     """After ``_prepare_inputs``: rows of requests holding ``offset`` fewer tokens than they computed attend
     over their kept tokens (``seq_lens``) and write new ones after them (slot mapping); positions (RoPE)
-    stay logical."""
+    stay logical. True."""
     import torch
 
     batch = runner.input_batch
@@ -976,6 +976,20 @@ def shift_inputs(runner: Any, offsets: dict[str, int]) -> None:
             size = table.block_size
             ids = table.block_table.gpu[row].to(torch.int64)
             table.slot_mapping.gpu[a:b] = ids[slots // size] * size + slots % size
+    return True
+
+
+def drop_writes(runner: Any, offsets: dict[str, int]) -> None:
+    """When :func:`shift_inputs` failed: the rows of requests that hold fewer tokens than they computed write no
+    K/V this step (slot -1, which vLLM's kernels skip), so no write lands in a block another request holds."""
+    batch = runner.input_batch
+    starts = runner.query_start_loc.np
+    for req_id, offset in offsets.items():
+        row = batch.req_id_to_index.get(req_id)
+        if row is not None and offset:
+            a, b = int(starts[row]), int(starts[row + 1])
+            for table in batch.block_table.block_tables:
+                table.slot_mapping.gpu[a:b] = -1
 
 
 # -- API server: the request-arg checks ----------------------------------------------------------------------

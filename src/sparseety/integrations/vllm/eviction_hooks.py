@@ -278,7 +278,8 @@ def _patch_runner() -> None:
         def _prepare_inputs(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
             if _WORKER is not None and _WORKER.offsets:
-                guarded(HOOK_WORKER, adapter.shift_inputs, self, _WORKER.offsets)
+                if guarded(HOOK_WORKER, adapter.shift_inputs, self, _WORKER.offsets) is None:
+                    guarded(HOOK_WORKER, adapter.drop_writes, self, _WORKER.offsets)  # never a neighbour's block
             return result
         return _prepare_inputs
 

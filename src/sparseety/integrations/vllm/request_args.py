@@ -17,7 +17,7 @@ from typing import Any
 
 from sparseety.integrations.vllm.attention_capture import MODE_ARG, MODES, TIER_ARG
 from sparseety.integrations.vllm.eviction_settings import EVICTION_ARGS, POLICY_ARG, EvictionSettings
-from sparseety.integrations.vllm.strict_values import BadValue, is_blank, shown
+from sparseety.integrations.vllm.strict_values import BadValue, clipped, is_blank, shown
 
 PREFIX = "sparseety_"
 REQUEST_ARGS = (*EVICTION_ARGS, TIER_ARG, MODE_ARG)  #: every ``sparseety_*`` key a request may send
@@ -34,7 +34,7 @@ def check_request_args(extra: Mapping[str, Any] | None, eviction: EvictionSettin
         if key not in REQUEST_ARGS:
             near = difflib.get_close_matches(key, REQUEST_ARGS, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
-            raise BadValue(key, f"{shown(key)} is not a SparSEEty request arg{hint}; known: {', '.join(REQUEST_ARGS)}")
+            raise BadValue(clipped(key), f"{shown(key)} is not a SparSEEty request arg{hint}; known: {', '.join(REQUEST_ARGS)}")
     tier = mine.get(TIER_ARG)
     if not is_blank(tier) and (isinstance(tier, bool) or str(tier).strip() != "3"):
         raise BadValue(TIER_ARG, f"{TIER_ARG}={shown(tier)} is not 3 (store this request at tier 3 whatever the "
