@@ -428,7 +428,7 @@ ATTRIBUTES = SCRIPT_START + RENAME + textwrap.dedent('''
         if need.params is None:
             missing = need.dotted
         else:
-            missing = f"{cls_name}.{need.name}({', '.join(need.params)}{', ...' if need.prefix else ''})"
+            missing = f"{cls_name or module_name}.{need.name}({', '.join(need.params)}{', ...' if need.prefix else ''})"
         seen.clear()
         on = adapter.check(lookup=lookup)
         # the hooks that rely on it, or on a method of the same class taking a parameter of that name

@@ -246,7 +246,7 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("request-args", "vllm.sampling_params:SamplingParams", "extra_args"),
     *_attrs("request-args", "vllm.exceptions", "VLLMValidationError"),
     Need("request-args-json", APP, "init_entrypoints_middleware", ("args", "app", "supported_tasks")),
-    *_attrs("request-args-json", "fastapi:FastAPI", "user_middleware"),
+    *_attrs("request-args-json", "starlette.applications:Starlette", "user_middleware"),
     *_attrs("request-args-json", "starlette.middleware", "Middleware"),
 )
 

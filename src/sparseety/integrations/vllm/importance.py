@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.channels import importance_channel
+from sparseety.integrations.vllm.strict_values import decimal_number, shown
 
 log = logging.getLogger("sparseety.vllm")
 WAIT_ENV = "SPARSEETY_IMPORTANCE_WAIT_S"
@@ -51,11 +53,11 @@ def wait_s() -> float:
     if not raw:
         return WAIT_S
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        log.warning("sparseety: %s=%r is not a positive number of seconds; %.0f s", WAIT_ENV, raw, WAIT_S)
+        value = decimal_number(raw, WAIT_ENV, 0.0, 86_400.0)
+    except ConfigError:
+        value = 0.0
+    if value <= 0:
+        log.warning("sparseety: %s=%s is not a positive number of seconds; %.0f s", WAIT_ENV, shown(raw), WAIT_S)
         return WAIT_S
     return value
 

@@ -9,10 +9,12 @@ KV-event subscription off too).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from sparseety.errors import ConfigError
+from sparseety.integrations.vllm.strict_values import decimal_int, decimal_number, shown
 
 TIERS = (1, 2, 3)  #: 3: sampled requests also store per-step importance (``step_importance``)
 MAX_QUEUE = 1_000_000
@@ -66,16 +68,14 @@ def parse_settings(env: Mapping[str, str] | None = None) -> Settings:
     defaults = Settings()
 
     def bad(var: str, value: str, allowed: str) -> None:
-        problems.append(f"{var}={value!r} is not {allowed}")
+        problems.append(f"{var}={shown(value)} is not {allowed}")
 
     sample_rate = defaults.sample_rate
     raw = env.get("SPARSEETY_SAMPLE_RATE")
     if raw is not None:
         try:
-            sample_rate = float(raw)
-        except ValueError:
-            sample_rate = math.nan
-        if not 0.0 <= sample_rate <= 1.0:  # NaN fails too
+            sample_rate = decimal_number(raw, "SPARSEETY_SAMPLE_RATE", 0.0, 1.0)
+        except ConfigError:
             bad("SPARSEETY_SAMPLE_RATE", raw, "a number in [0, 1]")
             sample_rate = defaults.sample_rate
 
@@ -91,10 +91,8 @@ def parse_settings(env: Mapping[str, str] | None = None) -> Settings:
     raw = env.get("SPARSEETY_QUEUE_SIZE")
     if raw is not None:
         try:
-            queue_size = int(raw)
-        except ValueError:
-            queue_size = 0
-        if not 1 <= queue_size <= MAX_QUEUE:
+            queue_size = decimal_int(raw, "SPARSEETY_QUEUE_SIZE", 1, MAX_QUEUE)
+        except ConfigError:
             bad("SPARSEETY_QUEUE_SIZE", raw, f"an integer in [1, {MAX_QUEUE}]")
             queue_size = defaults.queue_size
 

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any
 
+from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
 from sparseety.integrations.vllm.attention_capture import (
     MODE_ARG,
@@ -31,6 +32,7 @@ from sparseety.integrations.vllm.attention_capture import (
 from sparseety.integrations.vllm.channels import importance_channel
 from sparseety.integrations.vllm.hooks import guarded
 from sparseety.integrations.vllm.messages import ImplShape
+from sparseety.integrations.vllm.strict_values import decimal_int
 
 log = logging.getLogger("sparseety.vllm")
 HOOK_ROWS = "importance-rows"
@@ -191,11 +193,11 @@ _CAPTURE: WorkerCapture | None = None
 def _shared_limit() -> int:
     """``SPARSEETY_IMPORTANCE_SHARED_BLOCKS``: prompt blocks of keys kept for prefix-cache hits (default 64;
     0 keeps none, and cached positions are then always ``unscored``)."""
-    raw = os.environ.get(SHARED_ENV, "64").strip()
+    raw = os.environ.get(SHARED_ENV, "64")
     try:
-        return max(0, int(raw))
-    except ValueError:
-        log.warning("sparseety: %s=%r is not an integer; 64 blocks kept", SHARED_ENV, raw)
+        return decimal_int(raw, SHARED_ENV, 0, 10**6)
+    except ConfigError as exc:
+        log.warning("sparseety: %s; 64 blocks kept", exc)
         return 64
 
 
