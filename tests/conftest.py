@@ -17,11 +17,19 @@ REAL_MODEL_FIXTURES = frozenset({"smollm", "smollm_engine", "gemma", "gemma_engi
 END_TO_END = Path(__file__).resolve().parent / "end_to_end"
 
 
+def _starts_vllm(item: pytest.Item) -> bool:
+    """A test module that imports the vLLM launcher (``tests/vllm_observer/vllm_server.py``) starts vLLM processes."""
+    module = getattr(item, "module", None)
+    return module is not None and getattr(getattr(module, "require_vllm", None), "__module__", None) == "vllm_server"
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or END_TO_END in Path(item.path).parents:
             item.add_marker(pytest.mark.model)
+        if _starts_vllm(item):
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")

@@ -45,6 +45,7 @@ def args(tmp_path_factory) -> list[str]:
             "--prompt", prompt, "--no-chat", "--max-new-tokens", "8"]
 
 
+@pytest.mark.slow
 def test_a_killed_tune_resumes_and_gives_the_same_answer(args: list[str], tmp_path: Path):
     whole = CliRunner().invoke(app, [*args, "--json"])
     assert whole.exit_code == 0, whole.output

@@ -82,6 +82,7 @@ def args(tmp_path_factory) -> list[str]:
     return ["bench", "faithfulness", "--model", str(folder), *texts, "--tokens", "24", "--max-new-tokens", "3"]
 
 
+@pytest.mark.slow
 def test_a_killed_faithfulness_bench_resumes(args: list[str], tmp_path: Path):
     out = tmp_path / "bench"
     kept = kill_after_first_case(args, out, "--out", "faithfulness.json", 3, "faithfulness")

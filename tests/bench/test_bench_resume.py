@@ -28,6 +28,7 @@ def args(tmp_path_factory) -> list[str]:
             "--lengths", "150,200", "--depths", "0.5", "--max-new-tokens", "4"]
 
 
+@pytest.mark.slow
 def test_a_killed_bench_resumes_without_redoing_cases(args: list[str], tmp_path: Path):
     out = tmp_path / "bench"
     kept = kill_after_first_case(args, out, "--out", "passkey.json", TOTAL, "passkey")

@@ -85,6 +85,7 @@ def test_bad_input_is_a_clear_error(args, message, tmp_path: Path):
     assert not (tmp_path / "ruler.json").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_ruler_bench_resumes_without_redoing_cases(tmp_path: Path):
     folder = tmp_path / "tiny"
     build_model("llama").save_pretrained(folder)

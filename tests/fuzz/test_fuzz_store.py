@@ -90,6 +90,7 @@ def ids_of(files: list[Path]) -> set[str]:
 @examples(25)
 @given(faults=st.lists(st.tuples(DAMAGE, st.integers(0, 100), st.floats(0, 1), st.binary(max_size=40)),
                        min_size=1, max_size=3))
+@pytest.mark.slow
 def test_readers_survive_any_damage(faults, pristine: Path, tmp_path_factory):
     root = tmp_path_factory.mktemp("damaged") / "traces"
     shutil.copytree(pristine, root)

@@ -12,6 +12,7 @@ from sparseety.fingerprint import checkpoint_fingerprint, model_fingerprint
 from sparseety.models.registry import resolve_model_dir
 
 
+@pytest.mark.model  # the fixture is looked up by name, so the conftest cannot see it
 @pytest.mark.parametrize("fixture", ["smollm", "gemma"])
 def test_checkpoint_files_give_the_loaded_models_fingerprint(request, fixture):
     model, _ = request.getfixturevalue(fixture)

@@ -62,6 +62,7 @@ print(json.dumps({"results": out, "peak_kib": int(hwm[0].split()[1])}))
 """
 
 
+@pytest.mark.slow
 def test_issue_statements_stop_at_their_limit_and_memory_stays_bounded(root):
     cases = [(RECURSIVE, "1", "128MiB"), (HUGE_COUNT, "1", "128MiB"), (HUGE_LIST, "600", "128MiB"),
              (HUGE_RESULT, "600", "16MiB")]

@@ -69,6 +69,7 @@ def complete(tmp_path_factory) -> dict[str, dict[str, int]]:
     return rows_per_request(root)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", range(1, BATCH_FILES + 2))
 def test_kill_at_every_commit_point(kill_at: int, complete, tmp_path: Path):
     run = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path), str(kill_at)], capture_output=True, text=True)
