@@ -207,7 +207,7 @@ def test_metrics_move_by_the_request(server, client):
 
     assert moved("sparseety:prompt_tokens_total{}") == usage["prompt_tokens"]
     assert moved("sparseety:generation_tokens_total{}") == usage["completion_tokens"] == 5
-    assert moved("sparseety:request_success_total{finished_reason=length}") == 1
+    assert moved("sparseety:request_success_total{finish_reason=length,finished_reason=length}") == 1
     assert moved("sparseety:time_to_first_token_seconds_count{}") == 1
     assert moved("sparseety:inter_token_latency_seconds_count{}") == 4
     assert moved("sparseety:e2e_request_latency_seconds_count{}") == 1

@@ -64,7 +64,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot_and_reservation(engin
         metrics = scrape(srv.url)
         assert metrics[ABORTED] - before == 1
         assert metrics["sparseety:kv_cache_reserved_bytes{}"] == 0
-        assert metrics.get("sparseety:request_success_total{finished_reason=length}", 0) == 0
+        assert metrics.get("sparseety:request_success_total{finish_reason=length,finished_reason=length}", 0) == 0
 
 
 # -- finding 4: one id, one trace ---------------------------------------------------------------------------

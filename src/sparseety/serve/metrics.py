@@ -52,8 +52,10 @@ class ServeMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
+        #: labelled ``finish_reason`` as vLLM's; ``finished_reason`` (the old name, the same value) is kept for this
+        #: release only, so dashboards can move (docs/serving.md)
         self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
+                                       ["finish_reason", "finished_reason"], registry=r)
         self.request_rejected = Counter(P + "request_rejected", "Requests refused before running, by reason.",
                                         ["reason"], registry=r)
         self.request_aborted = Counter(P + "request_aborted", "Generations stopped before the end, by reason.",
@@ -112,7 +114,7 @@ class ServeMetrics:
         """Count one finished generation (times are ``time.perf_counter`` values)."""
         self.prompt_tokens.inc(len(result.prompt_ids))
         self.generation_tokens.inc(len(result.output_ids))
-        self.request_success.labels(finish_reason).inc()
+        self.request_success.labels(finish_reason, finish_reason).inc()
         self.queue_time.observe(started - arrival)
         self.e2e.observe(finished - arrival)
         if first_token is not None:
