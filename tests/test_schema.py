@@ -88,3 +88,23 @@ def test_mistyped_key_is_named(key, value, expected):
 def test_not_a_mapping():
     with pytest.raises(RecordError, match="JSON object"):
         TokenRecord.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+def test_both_engines_write_the_same_sparsity_block():
+    """One function writes the ``sparsity`` block: the own engine's and vLLM's records have the same keys."""
+    import dataclasses
+
+    from sparseety.engine.result import RunResult
+    from sparseety.integrations.vllm.record import VllmRun
+    from sparseety.schema import SPARSITY_FIELDS, sparsity_json
+
+    own = {f.name for f in dataclasses.fields(RunResult)}
+    vllm = {f.name for f in dataclasses.fields(VllmRun)}
+    assert set(SPARSITY_FIELDS) <= own  # the own engine has every field
+    assert set(SPARSITY_FIELDS) - vllm == {"pruned_tokens", "prune"}  # vLLM prunes nothing: None
+
+    class Run:
+        policy, budget = "tova", 8
+
+    block = sparsity_json(Run())
+    assert tuple(block) == SPARSITY_FIELDS and block["budget"] == 8 and block["prune"] is None

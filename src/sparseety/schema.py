@@ -120,3 +120,15 @@ def _experts(value: Any) -> list[list[int | float]] | None:
             raise RecordError(f"{message}, got {pair!r}")
         pairs.append([pair[0], float(pair[1])])
     return pairs
+
+
+SPARSITY_FIELDS = ("policy", "params", "budget", "evicted_positions", "eviction_events", "skipped_events",
+                   "kept_positions_final", "kv_cache_bytes_peak", "kv_cache_bytes_dense", "draft_tokens",
+                   "draft_rejected", "pruned_tokens", "prune")
+
+
+def sparsity_json(run: Any) -> dict[str, Any]:
+    """The ``sparsity`` block of a run's JSON record, the same keys for every engine (the own engine's
+    :class:`~sparseety.engine.result.RunResult`, vLLM's :class:`~sparseety.integrations.vllm.record.VllmRun`): each
+    of :data:`SPARSITY_FIELDS` read from ``run``, None where that engine has no such field (vLLM prunes nothing)."""
+    return {name: getattr(run, name, None) for name in SPARSITY_FIELDS}

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sparseety.schema import TokenRecord
+from sparseety.schema import TokenRecord, sparsity_json
 
 
 @dataclass
@@ -82,21 +82,7 @@ class RunResult:
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
-            "sparsity": {
-                "policy": self.policy,
-                "params": self.params,
-                "budget": self.budget,
-                "evicted_positions": self.evicted_positions,
-                "eviction_events": self.eviction_events,
-                "skipped_events": self.skipped_events,
-                "kept_positions_final": self.kept_positions_final,
-                "kv_cache_bytes_peak": self.kv_cache_bytes_peak,
-                "kv_cache_bytes_dense": self.kv_cache_bytes_dense,
-                "draft_tokens": self.draft_tokens,
-                "draft_rejected": self.draft_rejected,
-                "pruned_tokens": self.pruned_tokens,
-                "prune": self.prune,
-            },
+            "sparsity": sparsity_json(self),
             "extraction": {"layers": self.layer_selection, "recorded_layers": self.extraction_layers},
             "important_tokens": [r.to_dict() for r in self.important_tokens],
             "timings": {

@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from sparseety.schema import sparsity_json
+
 ENGINE = "vllm"
 KV_POLICY = "vllm-prefix-cache"
 EVENT_COLUMNS = ("step", "layer", "kv_head", "position", "token_id", "score")
@@ -102,21 +104,7 @@ class VllmRun:
                 "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": self.vllm.get("num_cached_tokens", 0)},
             },
-            "sparsity": {
-                "policy": self.policy,
-                "params": self.params,
-                "budget": self.budget,
-                "evicted_positions": self.evicted_positions,
-                "eviction_events": self.eviction_events,
-                "skipped_events": self.skipped_events,
-                "kept_positions_final": self.kept_positions_final,
-                "kv_cache_bytes_peak": self.kv_cache_bytes_peak,
-                "kv_cache_bytes_dense": self.kv_cache_bytes_dense,
-                "draft_tokens": self.draft_tokens,
-                "draft_rejected": self.draft_rejected,
-                "pruned_tokens": None,
-                "prune": None,
-            },
+            "sparsity": sparsity_json(self),
             "extraction": {"layers": "none", "recorded_layers": None},
             "important_tokens": [],
             "timings": {
