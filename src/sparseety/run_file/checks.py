@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from sparseety.errors import ConfigError
-from sparseety.run_file_sections import ExtractionSection, LoggingSection, SparsitySection
+from sparseety.run_file.sections import ExtractionSection, LoggingSection, SparsitySection
 
 _FLAG_PREFIX = re.compile(r"^(--[a-z-]+|prune schedule|prune):\s*")
 

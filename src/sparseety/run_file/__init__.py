@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from sparseety.errors import ConfigError
-from sparseety.run_file_checks import check_values
-from sparseety.run_file_sections import ExtractionSection, LoggingSection, ModelSection, Section, SparsitySection
+from sparseety.run_file.checks import check_values
+from sparseety.run_file.sections import ExtractionSection, LoggingSection, ModelSection, Section, SparsitySection
 from sparseety.yaml_strict import line_of, load_yaml
 
 
