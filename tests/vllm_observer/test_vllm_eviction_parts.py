@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm.eviction_ledger import EvictionLedger
-from sparseety.integrations.vllm.eviction_settings import parse_eviction
+from sparseety.integrations.vllm.evict.ledger import EvictionLedger
+from sparseety.integrations.vllm.evict.settings import parse_eviction
 from sparseety.integrations.vllm.strict_values import BadValue
-from sparseety.integrations.vllm.kv_compaction import (
+from sparseety.integrations.vllm.evict.compaction import (
     compact,
     fill_holes,
     kept_positions,
@@ -266,7 +266,7 @@ def simulate(policy_name: str, options: dict, chunks: list[int], budget: int):
     the kept slots of the first compaction, and the own engine's choice from one pass over the whole prompt."""
     from sparseety.engine.signals import group_mean
     from sparseety.extract.scoring import column_sums, row_probs
-    from sparseety.integrations.vllm.eviction_slots import EvictingRequest
+    from sparseety.integrations.vllm.evict.slots import EvictingRequest
     from sparseety.policies.base import Observation, Signal, select_keep
     from sparseety.policies.registry import build_policy
 
@@ -345,7 +345,7 @@ def test_the_kept_positions_are_the_fed_positions_not_evicted():
 
 
 def test_recorded_evictions_are_the_complement_of_the_kept_slots():
-    from sparseety.integrations.vllm.eviction_slots import EvictingRequest
+    from sparseety.integrations.vllm.evict.slots import EvictingRequest
     from sparseety.policies.registry import build_policy
 
     request = EvictingRequest("r", build_policy("streaming", 4, {"sinks": 1}), 6, 2, H, trace=True)

@@ -39,7 +39,7 @@ SITECUSTOMIZE = """
 import os
 _LEN = int(os.environ.get("SPARSEETY_TEST_FAULT_PROMPT_LEN", "0"))
 if _LEN:
-    from sparseety.integrations.vllm import eviction_slots
+    from sparseety.integrations.vllm.evict import slots as eviction_slots
 
     _observe = eviction_slots.EvictingRequest.observe
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from sparseety.integrations.vllm.env_names import unknown_variables
-from sparseety.integrations.vllm.eviction_settings import parse_eviction
+from sparseety.integrations.vllm.evict.settings import parse_eviction
 from sparseety.integrations.vllm.request_args import check_request_args
 from sparseety.integrations.vllm.request_guard import _Guard, _RawArgsCheck
 from sparseety.integrations.vllm.strict_values import BadValue, decimal_int, decimal_number, shown

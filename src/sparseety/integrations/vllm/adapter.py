@@ -842,7 +842,7 @@ def model_split() -> str | None:
     return " and ".join(p for p in parts if p) or None
 
 
-# -- engine core and worker: eviction inside the paged KV cache (:mod:`.eviction_hooks`) ---------------------
+# -- engine core and worker: eviction inside the paged KV cache (:mod:`.evict.hooks`) ---------------------
 def eviction_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
     """Why this vLLM setup cannot evict inside its KV cache (None when it can): every KV-cache group must be
     full attention, with no speculative decoding, async scheduling or pipeline parallelism."""

@@ -41,10 +41,11 @@ import os
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm import adapter, eviction_hooks, request_guard
+from sparseety.integrations.vllm import adapter, request_guard
+from sparseety.integrations.vllm.evict import hooks as eviction_hooks
 from sparseety.integrations.vllm.channels import CHANNEL_ENV, channel, client_channel
 from sparseety.integrations.vllm.env_names import unknown_variables
-from sparseety.integrations.vllm.eviction_settings import EvictionSettings, parse_eviction
+from sparseety.integrations.vllm.evict.settings import EvictionSettings, parse_eviction
 from sparseety.integrations.vllm.hooks import guarded
 from sparseety.integrations.vllm.window_frees import WindowFrees
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sparseety.integrations.vllm.attention_capture import MODE_ARG, MODES, TIER_ARG
-from sparseety.integrations.vllm.eviction_settings import EVICTION_ARGS, POLICY_ARG, EvictionSettings
+from sparseety.integrations.vllm.evict.settings import EVICTION_ARGS, POLICY_ARG, EvictionSettings
 from sparseety.integrations.vllm.strict_values import BadValue, clipped, is_blank, shown
 
 PREFIX = "sparseety_"

@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.eviction_settings import EvictionSettings
+from sparseety.integrations.vllm.evict.settings import EvictionSettings
 from sparseety.integrations.vllm.hooks import guarded
 from sparseety.integrations.vllm.request_args import PREFIX, check_request_args
 from sparseety.integrations.vllm.strict_values import BadValue

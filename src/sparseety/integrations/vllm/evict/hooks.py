@@ -15,7 +15,7 @@ Engine core (the scheduler's process):
 - ``Scheduler._free_request_blocks``: a finished request is forgotten, a preempted one starts from zero.
 
 Worker: ``_update_states`` first carries out the orders (:class:`WorkerEviction`: the policy picks the kept
-slots from each slot's logical position, :func:`.kv_compaction.compact` moves them in every layer, the
+slots from each slot's logical position, :func:`.compaction.compact` moves them in every layer, the
 request's block list and batch row are cut to the blocks it still holds), before the step's new blocks are
 appended; ``_prepare_inputs`` then shifts ``seq_lens`` and the slot mapping (:func:`.adapter.shift_inputs`).
 vLLM's CPU build runs each step to its end before the next is scheduled, so a block freed by the scheduler at
@@ -30,8 +30,8 @@ from typing import Any
 
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.eviction_ledger import EvictionLedger, refused_record
-from sparseety.integrations.vllm.eviction_settings import POLICY_ARG, EvictionSettings
+from sparseety.integrations.vllm.evict.ledger import EvictionLedger, refused_record
+from sparseety.integrations.vllm.evict.settings import POLICY_ARG, EvictionSettings
 from sparseety.integrations.vllm.hooks import guarded
 from sparseety.integrations.vllm.strict_values import clipped
 
@@ -133,7 +133,7 @@ class EngineCoreEviction:
 
 
 _CORE: EngineCoreEviction | None = None
-_WORKER: Any = None  #: the worker's :class:`.eviction_worker.WorkerEviction` (torch is imported there)
+_WORKER: Any = None  #: the worker's :class:`.worker.WorkerEviction` (torch is imported there)
 
 
 _SEND: Callable[[str, list[list], Any], None] | None = None  #: the scheduler channel to the observer
@@ -151,7 +151,7 @@ def install(loud: bool, settings: EvictionSettings | None,
     on = adapter.check((HOOK, HOOK_WORKER), loud=loud)
     if not (on[HOOK] and on[HOOK_WORKER]):
         return False
-    from sparseety.integrations.vllm.eviction_worker import WorkerEviction
+    from sparseety.integrations.vllm.evict.worker import WorkerEviction
 
     _WORKER = WorkerEviction(settings)
     _patch_scheduler(settings)

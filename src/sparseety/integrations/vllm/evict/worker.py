@@ -2,12 +2,12 @@
 
 Per forward (``_model_forward``), :meth:`WorkerEviction.plan` finds the rows of each evicting request; inside the
 attention backend's ``forward`` of every layer, :meth:`WorkerEviction.layer` hands them to the request's
-:class:`~.eviction_slots.EvictingRequest`, which scores the slots it holds with the own engine's policy, reading
+:class:`~.slots.EvictingRequest`, which scores the slots it holds with the own engine's policy, reading
 keys (and values) out of vLLM's cache through the probed layout; a policy that reads the hidden states entering
 attention (``kvzap``) gets its rows from a forward pre-hook on the layer's attention block
 (:meth:`WorkerEviction.take_hidden`). Before a step's inputs are prepared
 (``_update_states``), :meth:`WorkerEviction.before_update` carries out the scheduler's orders: the kept slots of
-every layer and KV head move into the first slots (:func:`.kv_compaction.compact`) and the request's block list
+every layer and KV head move into the first slots (:func:`.compaction.compact`) and the request's block list
 and batch row are cut to the blocks it still holds.
 
 Which requests evict is decided here from the same settings and ``vllm_xargs`` the scheduler reads
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.eviction_ledger import Compaction
-from sparseety.integrations.vllm.eviction_settings import EvictionSettings, checkpoint_model
-from sparseety.integrations.vllm.eviction_slots import EvictingRequest
-from sparseety.integrations.vllm.kv_compaction import BlockLayout, compact, probe_layout, read_slots, slot_index
+from sparseety.integrations.vllm.evict.compaction import BlockLayout, compact, probe_layout, read_slots, slot_index
+from sparseety.integrations.vllm.evict.ledger import Compaction
+from sparseety.integrations.vllm.evict.settings import EvictionSettings, checkpoint_model
+from sparseety.integrations.vllm.evict.slots import EvictingRequest
 
 log = logging.getLogger("sparseety.vllm")
 

@@ -15,7 +15,7 @@ fed one layer at a time with the :class:`~sparseety.policies.base.Observation` t
   forward that writes it (its per-slot state), and protects its sinks and window at the compaction.
 
 :meth:`EvictingRequest.moves` selects the kept slots with the own engine's ``select_keep`` (ties to the lower
-position) and turns them into per-layer, per-head moves (:func:`.kv_compaction.fill_holes`). Torch only; vLLM is
+position) and turns them into per-layer, per-head moves (:func:`.compaction.fill_holes`). Torch only; vLLM is
 read by the caller.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseety.extract.scoring import column_sums, group_mean, row_probs
-from sparseety.integrations.vllm.kv_compaction import fill_holes, kept_positions
+from sparseety.integrations.vllm.evict.compaction import fill_holes, kept_positions
 from sparseety.policies.base import Observation, Policy, Signal, select_keep
 
 #: read(layer, n, values) -> ``[kv_heads, n, D]`` keys (or values) of the request's first ``n`` slots
@@ -193,7 +193,7 @@ class EvictingRequest:
     # -- compaction -----------------------------------------------------------------------------------------
     def moves(self, end: int, n: int, kept: int, read: SlotReader) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep ``kept`` of the ``n`` slots held (newest position ``end - 1``): ``(src, dst)`` ``[layers, kv_heads,
-        m]`` per layer and head (:func:`.kv_compaction.fill_holes`); the slot maps follow the moves. A policy that
+        m]`` per layer and head (:func:`.compaction.fill_holes`); the slot maps follow the moves. A policy that
         reads no attention at this point (the prompt's signal for the first compaction) is scored here, from the
         keys (and values) in the cache."""
         policy = self.policy
