@@ -1,5 +1,6 @@
 """The plugin's hooks on vLLM's real ``OutputProcessor`` (side venv, no model): preemptions, the
-FinishedRequestStats join, bounded queues that drop and count, and the rows that reach the store.
+FinishedRequestStats join, bounded queues that drop and count, and the rows that reach the store; every choice of
+an ``n > 1`` completion is its own row, and an aborted request is stored with what it produced.
 
 vLLM's frontend is driven directly with the ``EngineCoreOutput`` messages its engine core would send,
 so each case is exact and takes a second.
@@ -93,5 +94,71 @@ SCRIPT = textwrap.dedent('''
 def test_hooks_on_vllms_output_processor(tmp_path):
     require_vllm()
     out = subprocess.run([str(VENV / "bin" / "python"), "-c", SCRIPT, str(tmp_path / "traces")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
+CHOICES = textwrap.dedent('''
+    import json, os, sys, time
+    from copy import copy
+    trace_dir = sys.argv[1]
+    os.environ.update(SPARSEETY_TRACE_DIR=trace_dir, SPARSEETY_KV_EVENTS="off")
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+    from vllm.v1.metrics.stats import IterationStats
+
+    from sparseety.integrations.vllm import adapter, plugin
+    from sparseety.integrations.vllm.observer import observer
+    from sparseety.store import connect
+
+    plugin.register()
+    obs = observer()
+    obs.has_stat_logger = True
+    proc = OutputProcessor(None, log_stats=True)
+
+    def step(outputs):
+        stats = IterationStats()
+        proc.process_outputs(outputs, time.monotonic(), stats)
+        for finished in adapter.finished_stats(stats):  # what SparseetyStatLogger.record does
+            obs.on_finished_stats(finished, 0)
+
+    # n = 3: three children of one parent, as AsyncLLM adds them (child ids "<index>_<parent id>")
+    request = EngineCoreRequest("cmpl-x-0-abcd1234", [1, 2, 3], None, SamplingParams(n=3, max_tokens=4,
+                                detokenize=False), None, time.time(), None, None, None, external_req_id="cmpl-x-0")
+    parent = ParentRequest(request)
+    for index in range(3):
+        child_id, child_params = parent.get_child_info(index)
+        child = copy(request)
+        child.request_id, child.sampling_params = child_id, child_params
+        proc.add_request(child, None, parent, index)
+    step([EngineCoreOutput(f"{i}_cmpl-x-0-abcd1234", [10 * i + 1]) for i in range(3)])
+    step([EngineCoreOutput(f"{i}_cmpl-x-0-abcd1234", [10 * i + 2], finish_reason=FinishReason.LENGTH)
+          for i in (2, 0, 1)])  # the choices finish in any order
+
+    # a request aborted by its client after one token (vLLM reports no stats for it)
+    proc.add_request(EngineCoreRequest("q-abcd1234", [4, 5], None, SamplingParams(max_tokens=8, detokenize=False),
+                                       None, time.time(), None, None, None, external_req_id="q"), None)
+    step([EngineCoreOutput("q-abcd1234", [7])])
+    proc.abort_requests(["q"], internal=False)
+    obs.flush()
+
+    rows = {r[0]: (list(r[1]), json.loads(r[2])["vllm"]) for r in connect(trace_dir).sql(
+        "SELECT request_id, output_token_ids, extra_json FROM requests").fetchall()}
+    assert sorted(rows) == ["0_cmpl-x-0", "1_cmpl-x-0", "2_cmpl-x-0", "q"], sorted(rows)
+    for i in range(3):
+        ids, extra = rows[f"{i}_cmpl-x-0"]
+        assert ids == [10 * i + 1, 10 * i + 2] and extra["finish_reason"] == "length"
+        assert extra["choice"] == i and extra["timings"]["e2e_s"] > 0  # each joined to its own stats
+    assert rows["q"][0] == [7] and rows["q"][1]["finish_reason"] == "abort"
+    assert obs.unjoined == 0
+    print("ok")
+''')
+
+
+def test_every_choice_and_every_aborted_request_is_a_row(tmp_path):
+    require_vllm()
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", CHOICES, str(tmp_path / "traces")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]

@@ -285,3 +285,31 @@ def test_a_bad_setting_stops_vllm_in_one_line_before_the_model_loads(tmp_path):
     log = srv.log_path.read_text(errors="replace")
     assert "sparseety: SPARSEETY_KV_BUDGET='\u0666\u0664' is not an integer in [1, 1000000000]; vLLM not started" in log
     assert "Traceback" not in log and "Loading weights" not in log and "Starting to load model" not in log
+
+
+def test_every_choice_of_n_is_a_row_with_its_own_tokens(plain):
+    out = plain.complete(TEXTS[0], 6, n=4, temperature=1.0, seed=7, ignore_eos=True)
+    assert len(out["choices"]) == 4
+    ids = [f"{i}_{out['id']}-0" for i in range(4)]
+    rows = plain.stored(ids, "output_token_ids, extra_json")
+    by_choice = {json.loads(extra)["vllm"]["choice"]: list(tokens_) for tokens_, extra in rows.values()}
+    assert by_choice == {c["index"]: c["token_ids"] for c in out["choices"]}
+    assert len({tuple(t) for t in by_choice.values()}) > 1  # sampled: the rows are not one choice four times
+
+
+def test_a_stream_its_client_aborts_is_stored_with_what_it_produced(plain):
+    body = json.dumps({"model": plain.model, "prompt": TEXTS[1], "max_tokens": 400, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    request = urllib.request.Request(plain.url + "/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=600)
+    chunks = []
+    while len(chunks) < 3:
+        line = response.readline().decode().strip()
+        if line.startswith("data: {"):
+            chunks.append(json.loads(line[6:]))
+    response.close()  # the client goes away mid-stream
+    rid = chunks[0]["id"] + "-0"
+    output, extra = plain.stored([rid], "output_token_ids, extra_json")[rid]
+    assert json.loads(extra)["vllm"]["finish_reason"] == "abort"
+    assert 3 <= len(output) < 400

@@ -144,7 +144,9 @@ NEEDS: tuple[Need, ...] = (
     *_attrs("preemptions", DETOK, "num_output_tokens"),
     Need("finished-requests", OP, "_update_stats_from_finished", ("req_state", "finish_reason", "iteration_stats")),
     *_attrs("finished-requests", RS, "external_req_id", "request_id", "prompt_token_ids", "num_cached_tokens",
-            "detokenizer", "spec_decode_metrics"),
+            "detokenizer", "spec_decode_metrics", "parent_req"),
+    Need("aborted-requests", OP, "abort_requests", ("request_ids", "internal")),
+    *_attrs("aborted-requests", OP, "request_states", "external_req_ids"),
     *_attrs("finished-requests", DETOK, "output_token_ids"),
     *_attrs("finished-requests", SPEC, "per_step_drafted", "per_step_accepted", "num_draft_tokens", "histogram"),
     Need("importance-rows", RUNNER, "_model_forward",
@@ -272,6 +274,7 @@ HOOKS: dict[str, tuple[str, str]] = {
     "preemptions": ("API server", "no `preempted_at_output_tokens` or `recomputed` events (vLLM's preemption "
                     "count still comes from the stat logger)"),
     "finished-requests": ("API server", "no per-request records or token metrics"),
+    "aborted-requests": ("API server", "a request aborted by its client (or vLLM) leaves no record"),
     "importance-rows": ("worker", "no important tokens for vLLM requests (`extra_json.vllm.importance.status` "
                         "is `not_sampled`); goes with `importance-finish` and `importance-attention`"),
     "importance-finish": ("worker", "as `importance-rows`"),
@@ -483,10 +486,20 @@ def mark_preempted(req_state: Any) -> None:
 
 def finished_request(req_state: Any, finish_reason: Any) -> FinishedRequest:
     """What the frontend's ``RequestState`` knows of a finished request."""
+    from sparseety.integrations.vllm.attention_capture import external_id
+
     detok = req_state.detokenizer
     spec = req_state.spec_decode_metrics
+    choice = None
+    row_id = req_state.external_req_id
+    if req_state.parent_req is not None:  # one of n > 1 choices: vLLM's child id is ``<index>_<parent id>``
+        row_id = external_id(req_state.request_id)
+        head = row_id.partition("_")[0]
+        choice = int(head) if head.isdigit() else None
     return FinishedRequest(
-        request_id=req_state.external_req_id,
+        request_id=row_id,
+        join_id=req_state.external_req_id,
+        choice=choice,
         internal_id=req_state.request_id,
         prompt_ids=list(req_state.prompt_token_ids or ()),
         output_ids=list(detok.output_token_ids) if detok is not None else [],
@@ -499,6 +512,19 @@ def finished_request(req_state: Any, finish_reason: Any) -> FinishedRequest:
         num_accepted_tokens=sum(j * c for j, c in enumerate(spec.histogram)) if spec is not None else 0,
         finish_reason=reason(finish_reason),
     )
+
+
+def aborting(output_processor: Any, request_ids: Any) -> list[Any]:
+    """The ``RequestState`` s that ``abort_requests(request_ids)`` is about to drop: by internal id, or every
+    request of an external id (a parent of ``n > 1`` choices aborts its children through a call of its own)."""
+    states = output_processor.request_states
+    found = []
+    for rid in request_ids:
+        if rid in states:
+            found.append(states[rid])
+        else:
+            found += [states[i] for i in output_processor.external_req_ids.get(rid, ()) if i in states]
+    return found
 
 
 def reason(finish_reason: Any) -> str | None:

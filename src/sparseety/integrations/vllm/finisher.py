@@ -205,6 +205,8 @@ class Finisher:
             "preempted_at_output_tokens": c.preempted_at,
             "recomputed_tokens": recomputed,
             "finish_reason": c.finish_reason,
+            "choice": c.choice,  #: with n > 1: which choice this row is (its id: ``<choice>_<completion id>``)
+            "completion_id": c.join_id or c.request_id,
             "timings": c.timings,
             "spec_decode": None if not c.num_draft_tokens and c.per_step_drafted is None else {
                 "num_draft_tokens": c.num_draft_tokens,

@@ -17,7 +17,9 @@ class FinishedRequest:
     """What the frontend (vLLM's ``OutputProcessor``) knew about one finished request, completed by the
     stat logger's ``FinishedRequestStats`` (:class:`FinishedStats`) when one reports it."""
 
-    request_id: str  #: the id the client knows (vLLM's ``external_req_id``)
+    #: the row's id: the id the client knows (vLLM's ``external_req_id``); with ``n > 1`` each choice's own,
+    #: ``<index>_<id>`` (vLLM's child id without its random tail, the id the worker samples by)
+    request_id: str
     internal_id: str  #: vLLM's internal request id (the engine core's and the worker's key)
     prompt_ids: list[int]
     output_ids: list[int]
@@ -33,6 +35,8 @@ class FinishedRequest:
     num_preemptions: int | None = None
     engine: int | None = None  #: the engine (data-parallel rank) that served it, from its stat logger
     finished_at: float = field(default_factory=time.monotonic)
+    join_id: str = ""  #: the id vLLM's ``FinishedRequestStats`` carries (``external_req_id``, shared by choices)
+    choice: int | None = None  #: with ``n > 1``: which of the ``n`` choices (``None`` otherwise)
 
 
 @dataclass(frozen=True)

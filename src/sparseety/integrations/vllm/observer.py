@@ -65,6 +65,7 @@ from sparseety.integrations.vllm.sink import TraceSink, engine_label
 
 log = logging.getLogger("sparseety.vllm")
 CAPTURE_WAIT_S = 0.25  #: a finished request waits this long for its blocks' KV events before it is joined
+STATS_WAIT_S = 30.0  #: a finished request whose stats have not come by then is recorded without them
 
 
 class Observer:
@@ -82,7 +83,9 @@ class Observer:
         self.dropped_captures = 0
         self.unjoined = 0  #: FinishedRequestStats with no request (e.g. dropped) or requests never joined
         self._dropped_ready = 0
-        self._captures: OrderedDict[str, FinishedRequest] = OrderedDict()  #: waiting for the stat logger
+        #: join id -> the requests waiting for the stat logger's stats, oldest first
+        self._captures: OrderedDict[str, deque[FinishedRequest]] = OrderedDict()
+        self._waiting = 0  #: requests in ``_captures``
         self._ready: deque[FinishedRequest] = deque()  #: joined, waiting for the worker thread
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -132,22 +135,34 @@ class Observer:
     def on_finished(self, req_state: Any, finish_reason: Any) -> None:
         request = adapter.finished_request(req_state, finish_reason)
         if self.has_stat_logger:
-            if len(self._captures) >= self.settings.queue_size:
+            if self._waiting >= self.settings.queue_size:
                 self.dropped_captures += 1
                 self.metrics.trace_dropped.inc()
                 return
-            self._captures[request.request_id] = request
+            # the choices of one n > 1 completion share the id vLLM's stats carry, and are reported in this order
+            self._captures.setdefault(request.join_id or request.request_id, deque()).append(request)
+            self._waiting += 1
         else:
             self._enqueue(request)
+        self.start()
+
+    def on_aborted(self, req_state: Any) -> None:
+        """A request vLLM dropped unfinished: recorded with what it produced, ``finish_reason`` ``abort``
+        (vLLM reports no stats for it, so it is not held for them)."""
+        self._enqueue(adapter.finished_request(req_state, "abort"))
         self.start()
 
     def on_finished_stats(self, finished: FinishedStats, engine: int | None = None) -> None:
         """Join vLLM's view of a finished request to the frontend's (stat-logger path); ``engine``: the
         index of the engine whose stat logger reported it (its data-parallel rank)."""
-        request = self._captures.pop(finished.request_id, None)
-        if request is None:
+        waiting = self._captures.get(finished.request_id)
+        if not waiting:
             self.unjoined += 1
             return
+        request = waiting.popleft()
+        self._waiting -= 1
+        if not waiting:
+            del self._captures[finished.request_id]
         request.engine = engine
         request.finish_reason = finished.finish_reason
         request.num_cached_tokens = finished.num_cached_tokens
@@ -178,12 +193,27 @@ class Observer:
     def process(self, final: bool) -> None:
         """Drain KV changes and finished requests (those old enough for their KV events, or all)."""
         self.kv.take()
+        self._give_up_on_stats(time.monotonic() - STATS_WAIT_S)
         if self.requests.owners:
             self.importance.forward()
         now = time.monotonic()
         while self._ready and (final or self._ripe(self._ready[0], now)):
             self.finisher.finish(self._ready.popleft())
         self.kv.write(final)
+
+    def _give_up_on_stats(self, before: float | None) -> None:
+        """Requests finished before ``before`` (None: all) whose stats never came are recorded without them
+        (counted in ``unjoined``), so none is held forever."""
+        while self._captures:
+            key, waiting = next(iter(self._captures.items()))
+            if before is not None and waiting[0].finished_at >= before:
+                return
+            request = waiting.popleft()
+            self._waiting -= 1
+            if not waiting:
+                del self._captures[key]
+            self.unjoined += 1
+            self._enqueue(request)
 
     def _ripe(self, request: FinishedRequest, now: float) -> bool:
         """Old enough for its blocks' KV events, and no importance result still on its way."""
@@ -195,7 +225,7 @@ class Observer:
         return not self.importance.pending(request, now, sampled=sampled)
 
     def stats(self) -> dict[str, Any]:
-        return {"captures_waiting": len(self._captures), "ready": len(self._ready),
+        return {"captures_waiting": self._waiting, "ready": len(self._ready),
                 "dropped_captures": self.dropped_captures, "dropped_records": self.dropped_records,
                 "dropped_chunk_requests": self.requests.dropped, "unjoined": self.unjoined, **self.kv.stats()}
 
@@ -220,10 +250,7 @@ class Observer:
         self.importance.close()
         self.routing.close()
         try:
-            for request in list(self._captures.values()):  # never joined: keep what the frontend knew
-                self._captures.pop(request.request_id, None)
-                self.unjoined += 1
-                self._enqueue(request)
+            self._give_up_on_stats(None)  # never joined: keep what the frontend knew
             self.process(final=True)
         finally:
             self.kv.stop()

@@ -52,7 +52,7 @@ from sparseety.integrations.vllm.window_frees import WindowFrees
 log = logging.getLogger("sparseety.vllm")
 _ROUTE = True  #: route engine-core records to the owning API server (``Request.client_index``)
 ENGINE_CORE_HOOKS = ("prefill-chunks", "drafts", "kv-blocks", "window-frees")
-FRONTEND_HOOKS = ("preemptions", "finished-requests")
+FRONTEND_HOOKS = ("preemptions", "finished-requests", "aborted-requests")
 
 
 def register() -> None:
@@ -82,6 +82,8 @@ def register() -> None:
             _patch_preemptions(output_processor)
         if on["finished-requests"]:
             _patch_finished(output_processor)
+            if on["aborted-requests"]:
+                _patch_aborted(output_processor)
         _patch_attention(loud)
         evicting = eviction_hooks.install(loud, eviction, send=_send)
         request_guard.install(loud, eviction if evicting else None)
@@ -144,6 +146,27 @@ def _patch_finished(cls: Any) -> None:
         return _update_stats_from_finished
 
     adapter.patch(cls, "_update_stats_from_finished", "finished-requests", make)
+
+
+def _patch_aborted(cls: Any) -> None:
+    """``aborted-requests``: a request vLLM drops before it finishes (its client went away, or it was aborted) is
+    recorded with what it produced, ``finish_reason`` ``abort`` (vLLM reports no stats for it)."""
+    def make(original):
+        def abort_requests(self, request_ids, *args, **kwargs):
+            states = guarded("aborted-requests", adapter.aborting, self, list(request_ids)) or []
+            result = original(self, request_ids, *args, **kwargs)
+            if states:
+                guarded("aborted-requests", _on_aborted, states)
+            return result
+        return abort_requests
+
+    adapter.patch(cls, "abort_requests", "aborted-requests", make)
+
+
+def _on_aborted(states: list[Any]) -> None:
+    observer = _observer()
+    for state in states:
+        observer.on_aborted(state)
 
 
 def _observer():
