@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 from sparseety.engine import EncodedInput, RunResult, SparseEngine, encode_prompt
-from sparseety.errors import InputError
+from sparseety.errors import ConfigError, InputError, shown
 from sparseety.models.registry import DEFAULT_MODEL, load_model
 from sparseety.options import GenerationOptions, options_from
 from sparseety.schema import TokenRecord
@@ -45,10 +45,60 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "c
     Parameters
     ----------
     model : what ``sparseety run --model`` takes.
-    dtype, device : torch dtype name and device of the weights.
+    dtype, device : torch dtype name (``float32``, ``float16``, ``bfloat16``, ``float64``) and device of the weights
+        (``cpu``, ``cuda``, ``cuda:1``, ...: one this machine has).
+
+    Raises
+    ------
+    InputError : naming the argument, before any weight is read.
     """
+    _check_load(model, dtype, device)
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     return Model(SparseEngine(lm, tokenizer, model))
+
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _check_load(model: Any, dtype: Any, device: Any) -> None:
+    import os
+
+    import torch
+
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        raise InputError(f"model must be a built-in name, a local directory or a Hugging Face id, got {shown(model)}")
+    if dtype not in DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {shown(dtype)}")
+    if not isinstance(device, str):
+        raise InputError(f"device must be a device name such as 'cpu' or 'cuda:0', got {shown(device)}")
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise InputError(f"device must be a device name such as 'cpu' or 'cuda:0', got {shown(device)}") from None
+    if kind.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: this machine has no CUDA device")
+    if kind.type not in ("cpu", "cuda"):
+        raise InputError(f"device {device!r}: SparSEEty runs on cpu or cuda")
+
+
+def _options(options: GenerationOptions | None, fields: dict[str, Any]) -> GenerationOptions:
+    """The options, every refusal an :class:`InputError` naming the field (a policy's own refusal too)."""
+    if options is not None and not isinstance(options, GenerationOptions):
+        raise InputError(f"options must be a GenerationOptions or None, got {shown(options)}")
+    try:
+        built = options_from(options, **fields)
+    except ConfigError as exc:  # the policy registry's refusal (an unknown policy, a budget it cannot hold)
+        field = "budget" if "budget" in fields or "ratio" in fields else "policy"
+        raise InputError(f"{field}: {exc}") from None
+    if built.policy == "dense" and (built.budget is not None or built.ratio is not None):
+        raise InputError("budget/ratio: policy 'dense' keeps every token, so it takes no budget or ratio "
+                         f"(got budget={built.budget!r}, ratio={built.ratio!r})")
+    return built
+
+
+def _check_chat(chat: Any) -> None:
+    if chat is not None and not isinstance(chat, bool):
+        raise InputError(f"chat must be True, False or None (on for chat models), got {shown(chat)}")
 
 
 class Model:
@@ -88,7 +138,10 @@ class Model:
         -------
         A :class:`Generation`, or one per prompt, in order.
         """
-        options = options_from(options, **fields)
+        _check_chat(chat)
+        if not isinstance(prompt, (str, list, tuple)):
+            raise InputError(f"prompt must be a text or a non-empty list of texts, got {shown(prompt)}")
+        options = _options(options, fields)
         if isinstance(prompt, str):
             encoded = self._encode(prompt, chat)
             return Generation(self.engine.generate(encoded, None, options), options, prompt, chat, self)
@@ -108,7 +161,10 @@ class Model:
         (:func:`sparseety.analysis.compare`, what ``sparseety compare`` prints)."""
         from sparseety.analysis.compare import compare
 
-        return compare(self.engine, self._encode(prompt, chat), None, options_from(options, **fields),
+        _check_chat(chat)
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt must be a text, got {shown(prompt)}")
+        return compare(self.engine, self._encode(prompt, chat), None, _options(options, fields),
                        embeddings=embeddings)
 
     def _encode(self, prompt: str, chat: bool | None) -> EncodedInput:

@@ -48,3 +48,15 @@ class OutputSavedElsewhere(SparseetyError):
     def __init__(self, message: str, fallback: Path) -> None:
         super().__init__(message)
         self.fallback = fallback
+
+
+SHOWN_CHARS = 80  #: the most characters of a value from outside that a message repeats
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length said (``'aaaa...' (102400 chars)``)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = len(value) if isinstance(value, (str, bytes, list, dict, tuple)) else len(text)
+    return f"{text[:limit]}... ({size} chars)"

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from sparseety.errors import InputError
+from sparseety.errors import shown as _shown
 
 if TYPE_CHECKING:
     from sparseety.policies.base import Policy
@@ -100,8 +101,19 @@ class GenerationOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):
+            raise OptionError("policy", f"must be a policy name (sparseety policies list), got {_shown(self.policy)}")
+        for name in ("policy_opts", "prune_opts"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise OptionError(name, f"must be a mapping of option names to values, got {_shown(getattr(self, name))}")
         object.__setattr__(self, "policy_opts", MappingProxyType(dict(self.policy_opts)))
         object.__setattr__(self, "prune_opts", MappingProxyType(dict(self.prune_opts)))
+        if self.budget is not None:
+            _whole(self.budget, "budget")
+        if self.ratio is not None and (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))):
+            raise OptionError("ratio", f"must be a number in [0, 1), got {_shown(self.ratio)}")
+        if isinstance(self.min_score, bool) or not isinstance(self.min_score, (int, float)):
+            raise OptionError("min_score", f"must be a number in [0, 1), got {_shown(self.min_score)}")
         if self.importance not in IMPORTANCE_MODES:
             raise OptionError("importance", f"must be one of {', '.join(IMPORTANCE_MODES)}, got {self.importance!r}")
         if self.importance_weights is not None and self.importance != "learned":
@@ -176,5 +188,6 @@ def options_from(options: GenerationOptions | None = None, **fields: Any) -> Gen
 
 def _whole(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionError(field, f"must be a whole number, got {value!r}")
+        raise OptionError(field, f"must be a whole number, got {_shown(value)}")
     return value
+

@@ -36,7 +36,7 @@ from sparseety.engine.result_build import build_result
 from sparseety.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from sparseety.engine.settings import RunSettings
 from sparseety.engine.window import layer_windows
-from sparseety.errors import InputError
+from sparseety.errors import InputError, shown
 from sparseety.fingerprint import model_fingerprint
 from sparseety.options import GenerationOptions, options_from
 from sparseety.policies.base import ModelInfo, Policy
@@ -107,8 +107,7 @@ class SparseEngine:
             (``max_new_tokens=8, importance="attention"``; ``policy`` and ``budget`` build the policy only when
             none is given).
         """
-        if isinstance(encoded, str):
-            encoded = encode_prompt(self.tokenizer, encoded, None)
+        encoded = self.encoded(encoded)
         if isinstance(policy, str):  # generate(prompt, "snapkv", budget=64)
             fields["policy"], policy = policy, None
         options = options_from(options, **fields)
@@ -168,6 +167,26 @@ class SparseEngine:
         return self.model.generate(sequences, attention_mask=torch.ones_like(sequences), past_key_values=ctx.cache,
                                    max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=_pad_id(self.tokenizer),
                                    streamer=None if streamer is None else _AfterPrompt(streamer))
+
+    def encoded(self, given: EncodedInput | str | Sequence[int] | torch.Tensor) -> EncodedInput:
+        """``given`` as the engine's input: text (encoded with the chat template on chat models), token ids (a list
+        of ints, or a ``[n]`` / ``[1, n]`` integer tensor) or an :class:`EncodedInput`; else :class:`InputError`."""
+        if isinstance(given, EncodedInput):
+            return given
+        if isinstance(given, str):
+            return encode_prompt(self.tokenizer, given, None)
+        one_row = isinstance(given, torch.Tensor) and (given.dim() == 1 or given.dim() == 2 and given.shape[0] == 1)
+        if one_row and not (given.is_floating_point() or given.is_complex() or given.dtype == torch.bool):
+            ids = given.reshape(1, -1).to(torch.long)
+        elif isinstance(given, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in given):
+            ids = torch.tensor([list(given)], dtype=torch.long)
+        else:
+            raise InputError(f"encoded must be text, token ids (a list of ints) or an EncodedInput, got "
+                             f"{shown(given)}")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InputError(f"token ids must be a non-empty list of ids in [0, {vocab}), got {shown(given)}")
+        return EncodedInput(ids)
 
     def generate_batch(
         self,

@@ -12,20 +12,12 @@ import math
 import re
 from typing import Any
 
-from sparseety.errors import ConfigError
+from sparseety.errors import SHOWN_CHARS, ConfigError, shown
 
-SHOWN_CHARS = 80  #: the most characters of a value from outside that a message or record repeats
+__all__ = ["SHOWN_CHARS", "BadValue", "clipped", "decimal_int", "decimal_number", "is_blank", "shown"]
+
 _INT = re.compile(r"[0-9]+")
 _NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
-def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """``repr(value)``, cut to ``limit`` characters with the full length said (``'aaaa…' (102400 chars)``)."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    size = len(value) if isinstance(value, (str, bytes, list, dict, tuple)) else len(text)
-    return f"{text[:limit]}... ({size} chars)"
 
 
 def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
