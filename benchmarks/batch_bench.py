@@ -19,8 +19,8 @@ Figures (issue 12, "Speed and memory"):
 
 Usage::
 
-    .venv/bin/python benchmarks/batch_bench.py            # ~15 min
-    .venv/bin/python benchmarks/batch_bench.py --quick    # ~2 min: 4 prompts, 1,000-token long prompts, 16 tokens
+    .venv/bin/python -m benchmarks.batch_bench            # ~15 min
+    .venv/bin/python -m benchmarks.batch_bench --quick    # ~2 min: 4 prompts, 1,000-token long prompts, 16 tokens
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.common import command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.engine.request import GenerationOptions, RequestStatus
 from sparseety.models import load_model
@@ -209,7 +209,7 @@ def main() -> None:
             admit["admitted_at_once"], f">= {TARGET_ADMITTED}", admit["admitted_at_once"] >= TARGET_ADMITTED],
     }
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
-           "source": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+           "command": command(), "source": source(), "machine": machine(),
            "threads": 1, "clock": "process cpu (wall beside it)", "targets": targets,
            "short": short, "long": long, "admission": admit}
     print(json.dumps(targets, indent=1))

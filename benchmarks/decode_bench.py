@@ -41,12 +41,12 @@ measured (default: all six; ``streaming`` is always measured, the tracing figure
 
 Usage::
 
-    .venv/bin/python benchmarks/decode_bench.py            # full run, ~15 min (1 thread, CPU clock)
-    .venv/bin/python benchmarks/decode_bench.py --quick    # smoke run, < 2 min
-    .venv/bin/python benchmarks/decode_bench.py --policies keydiff,expected_attention,compactor --no-plain-full \
+    .venv/bin/python -m benchmarks.decode_bench            # full run, ~15 min (1 thread, CPU clock)
+    .venv/bin/python -m benchmarks.decode_bench --quick    # smoke run, < 2 min
+    .venv/bin/python -m benchmarks.decode_bench --policies keydiff,expected_attention,compactor --no-plain-full \
         --output benchmarks/results/decode/query_agnostic.json   # issue 15's policies beside streaming
-    .venv/bin/python benchmarks/decode_bench.py --profile h2o   # cProfile + torch.profiler of one run's decode
-    .venv/bin/python benchmarks/decode_bench.py --layers-cost   # extraction at --layers all vs auto, ~2 min
+    .venv/bin/python -m benchmarks.decode_bench --profile h2o   # cProfile + torch.profiler of one run's decode
+    .venv/bin/python -m benchmarks.decode_bench --layers-cost   # extraction at --layers all vs auto, ~2 min
 
 ``--layers-cost`` (issue 8, layer selection) measures only what online extraction costs: ``streaming``
 at ``--budget`` on ``--context`` tokens (defaults 2048 and 512 in this mode), tier 0 against tier 2 with
@@ -62,11 +62,8 @@ import datetime as dt
 import io
 import json
 import os
-import platform
 import pstats
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +71,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import CLOCKS, ForwardClock, command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.models import load_model
 from sparseety.policies import build_policy
@@ -97,53 +95,6 @@ TARGET_KVZAP_VS_STREAMING = 0.95  # issue 28: kvzap's decode tok/s over streamin
 TARGET_KVZAP_PREFILL = 1.10  # issue 28: kvzap's prefill over dense's
 TARGET_SWEEP_DENSE_GROWS = 1.3  # dense ms/token at the longest context over the shortest
 TARGET_SWEEP_FLAT = 1.15  # budgeted ms/token, longest over shortest
-
-
-# ----------------------------------------------------------------------------------------------
-# timing hooks
-# ----------------------------------------------------------------------------------------------
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-class ForwardClock:
-    """Time stamps of every forward of one model (pre-hook first in line, post-hook), on two clocks.
-
-    ``wall`` is ``time.perf_counter``; ``cpu`` is ``time.process_time`` (CPU seconds of this process,
-    all threads). With one torch thread the CPU clock counts only the cycles this process really ran,
-    so it is far less disturbed by other processes on a shared machine than the wall clock.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.starts: dict[str, list[float]] = {name: [] for name in CLOCKS}
-        self.ends: dict[str, list[float]] = {name: [] for name in CLOCKS}
-        self.on_start: Any = None  # optional callback(forward_index)
-        model.register_forward_pre_hook(self._pre, prepend=True)
-        model.register_forward_hook(self._post)
-
-    def reset(self) -> None:
-        for name in CLOCKS:
-            self.starts[name].clear()
-            self.ends[name].clear()
-
-    def _pre(self, *_: Any) -> None:
-        if self.on_start is not None:
-            self.on_start(len(self.starts["wall"]))
-        for name, clock in CLOCKS.items():
-            self.starts[name].append(clock())
-
-    def _post(self, *_: Any) -> None:
-        for name, clock in CLOCKS.items():
-            self.ends[name].append(clock())
-
-    def prefill_s(self, clock: str) -> float:
-        return self.ends[clock][0] - self.starts[clock][0]
-
-    def steps_s(self, clock: str) -> list[float]:
-        """Per decode step: start-to-start of consecutive forwards; the last step is its forward alone."""
-        s, e = self.starts[clock], self.ends[clock]
-        if len(s) < 2:
-            return []
-        return [s[i + 1] - s[i] for i in range(1, len(s) - 1)] + [e[-1] - s[-1]]
 
 
 @dataclass
@@ -287,7 +238,7 @@ def target(value: float, op: str, bound: float, what: str) -> dict[str, Any]:
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
-    source_at_start = source_state()  # modules are imported already: this is the code measured
+    source_at_start = source()  # modules are imported already: this is the code measured
     b = Bench(args)
     C, B = args.context, args.budget
     print(f"prompt: first {C} tokens of {TEXT} (plain, no chat template); budget {B}; "
@@ -415,15 +366,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "decode_bench",
         "source": source_at_start,
-        "source_changed_during_run": source_state() != source_at_start,
+        "source_changed_during_run": source() != source_at_start,
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "machine": {
-            "nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch_interop_threads": torch.get_num_interop_threads(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-        },
+        "command": command(),
+        "machine": machine(torch_interop_threads=torch.get_num_interop_threads()),
         "setup": {
             "model": args.model, "text": str(TEXT), "chat_template": False, "context": C, "budget": B,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "pairs": args.pairs, "sweep": sweep, "order": "ABBA rounds",
@@ -461,29 +407,16 @@ def run_layers_cost(args: argparse.Namespace) -> dict[str, Any]:
     targets = {"tier2_auto_vs_tier0": target(figures["decode_vs_tier0"]["tier2-auto"], ">=", TARGET_TIER1,
                                              f"{TRACE_POLICY} b={B} @ {C} tok, decode tok/s, tier 2 --layers auto / tier 0")}
     return {
-        "benchmark": "decode_bench --layers-cost", "source": source_state(),
+        "benchmark": "decode_bench --layers-cost", "source": source(),
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
+        "command": command(),
+        "machine": machine(),
         "setup": {"model": args.model, "text": str(TEXT), "context": C, "budget": B, "policy": TRACE_POLICY,
                   "new_tokens": args.new_tokens, "repeats": args.repeats, "order": "ABBA rounds", "clock": args.clock,
                   "threads": torch.get_num_threads()},
         "targets": targets, "figures": figures, "total_s": round(time.perf_counter() - t_start, 1),
         "runs": [r.to_json() for r in b.runs],
     }
-
-
-def source_state() -> dict[str, Any]:
-    """The commit measured, and whether the engine sources differ from it (other work in progress)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "src_changes_not_committed": git("status", "--porcelain", "--", "src").splitlines()}
 
 
 def print_summary(res: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Extractor speed: a prefill attention tensor and a decode step, against a naive loop and bare topk.
 
-Run: ``.venv/bin/python benchmarks/extract_bench.py``; prints the figures and saves them to
+Run: ``.venv/bin/python -m benchmarks.extract_bench``; prints the figures and saves them to
 ``benchmarks/results/extract/extract.json``.
 
 - extractor: :func:`sparseety.extract.extract` with the default config (mean over heads, sum over
@@ -21,9 +21,9 @@ thread wake-ups can dominate ops this small.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.common import command, machine, source
 from sparseety.config import ExtractionConfig
 from sparseety.extract import extract
 
@@ -163,14 +164,12 @@ def summary(name: str, t: dict[str, float], records: int, note: str) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says what it is
     default_threads = torch.get_num_threads()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     results = {
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "load_average_1m_at_start": os.getloadavg()[0],
-        },
+        "command": command(),
+        "source": source(),
         "targets": {"speedup_vs_naive_loop": ">= 20", "slowdown_vs_bare_topk": "<= 3"},
         "runs": [],
     }
@@ -182,8 +181,8 @@ def main() -> None:
             results["runs"].append(run)
             report(run)
     torch.set_num_threads(default_threads)
-    results["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]
-    print(f"load average {results['machine']['load_average_1m_at_end']:.2f} on {results['machine']['cpu_count']} cores")
+    results["machine"] = machine(load_average_at_start=load_at_start)
+    print(f"load average {results['machine']['load_average'][0]:.2f} on {results['machine']['cpus']} cores")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"saved {RESULTS}")

@@ -10,8 +10,8 @@ process ran) and on the wall clock, pooled over both repeats. KV bytes are the e
 
 Usage::
 
-    .venv/bin/python benchmarks/gemma_bench.py                  # ~3,000-token prompt, 64 new tokens
-    .venv/bin/python benchmarks/gemma_bench.py --context 800 --new-tokens 8    # smoke run
+    .venv/bin/python -m benchmarks.gemma_bench                  # ~3,000-token prompt, 64 new tokens
+    .venv/bin/python -m benchmarks.gemma_bench --context 800 --new-tokens 8    # smoke run
 
 Saves ``benchmarks/results/gemma/gemma.json``.
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine
 from sparseety.models import GEMMA_MODEL, load_model
 from sparseety.policies import build_policy
@@ -83,6 +84,7 @@ def main() -> None:
         "streaming_over_dense_kv": stream["kv_cache_bytes_peak"] / dense["kv_cache_bytes_peak"],
         "same_tokens_in_both_repeats": {name: runs[0] == runs[1] for name, runs in outputs.items()},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command(), "source": source(), "machine": machine(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(document, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Decode tokens per CPU-second of ``--importance value`` and ``output`` over ``attention`` (one run, interleaved).
 
-    .venv/bin/python benchmarks/importance_decode_bench.py [--tokens 1000] [--new 48] [--rounds 3]
+    .venv/bin/python -m benchmarks.importance_decode_bench [--tokens 1000] [--new 48] [--rounds 3]
 
 A plain prompt of GPL-3 text, dense policy, tier 2, one torch thread; CPU time of the decode forwards
 (``decode_s`` is wall time, so each run's process CPU time is taken around the whole generate, minus
@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine
 from sparseety.models import load_model
 from sparseety.policies import build_policy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
@@ -49,7 +50,8 @@ def main() -> None:
     medians = {m: statistics.median(r) for m, r in rates.items()}
     result = {"tokens": args.tokens, "new": args.new, "rounds": args.rounds, "tokens_per_cpu_s": medians,
               "value_over_attention": medians["value"] / medians["attention"],
-              "output_over_attention": medians["output"] / medians["attention"], "raw": rates}
+              "output_over_attention": medians["output"] / medians["attention"], "raw": rates,
+              "command": command(), "source": source(), "machine": machine()}
     out = Path(__file__).parent / "results" / "importance_decode" / "importance_decode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

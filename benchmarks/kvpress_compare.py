@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/kvpress_compare.py [--tasks passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe]
+    .venv/bin/python -m benchmarks.kvpress_compare [--tasks passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe]
         [--lengths 1000,1500] [--depths 0.1,0.5,0.9] [--seeds 0]            # the passkey cases
         [--ruler-lengths 1000,2000] [--ruler-cases 1] [--ruler-seed 0]      # the RULER-style cases
         [--ratios 0.25,0.5,0.75] [--policies all] [--max-new-tokens 14] [--threads 1]
@@ -37,7 +37,7 @@ the ``kvzap`` rows of files written before then are ``per_head=false``, now ``kv
 ``kvzip_layerwise`` (``layerwise=true``: each layer's heads share its budget, as kvzap's do by default) on
 SparSEEty's side only, to tell the allocation's part from the scores'. ``pyramid``
 and ``learned`` on SparSEEty's side only (``learned`` with
-``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy.py``
+``model=benchmarks/results/learned_policy/policy.safetensors``, the file ``benchmarks/learned_policy_bench.py``
 trains; skipped when it is missing). kvpress's KVzipPress runs its reconstruction passes inside the press
 context (one chat-template "Repeat the previous context exactly." pass per 2,048 context tokens) and then
 *masks* the evicted pairs in attention instead of removing them, so the KV bytes it holds stay dense; the
@@ -519,6 +519,8 @@ def main() -> None:
 
     import torch
 
+    # here, not at the top: the worker runs this file as a script in kvpress's venv (standard library only)
+    from benchmarks.common import command, machine, source
     from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model
     from sparseety.models.registry import resolve_model_dir
@@ -533,7 +535,7 @@ def main() -> None:
         if VARIANTS.get(name, (name,))[0] not in registered:
             skipped[name] = "not registered in this SparSEEty"
         elif name == "learned" and not LEARNED_FILE.is_file():
-            skipped[name] = f"{LEARNED_FILE.relative_to(ROOT.parent)} is missing (run benchmarks/learned_policy.py)"
+            skipped[name] = f"{LEARNED_FILE.relative_to(ROOT.parent)} is missing (run benchmarks/learned_policy_bench.py)"
         elif name != "dense":
             policies.append(name)
     for name, why in skipped.items():
@@ -576,11 +578,11 @@ def main() -> None:
     def save(complete: bool) -> dict:
         table = tables(ours, theirs)
         document = {
-            "command": "python benchmarks/kvpress_compare.py " + " ".join(sys.argv[1:]),
+            "command": command(), "source": source(),
             "complete": complete, "settings": settings, "model": DEFAULT_MODEL,
             "kvpress_version": kvp.info["kvpress_version"] if kvp else None,
             "kvpress_transformers_version": kvp.info["transformers_version"] if kvp else None, "threads": args.threads,
-            "skipped": skipped, "pairs": PAIRS, "load_average_end": list(os.getloadavg()),
+            "skipped": skipped, "pairs": PAIRS, "machine": machine(),
             "cases": [{k: v for k, v in c.items() if k not in ("context_ids", "question_ids", "label")}
                       | {"context_tokens": len(c["context_ids"])} for c in cases],
             "wall_seconds": {"sparseety": round(ours_s, 1), "kvpress": round(theirs_s, 1),

@@ -4,7 +4,7 @@ surrogate was trained on, and calibrate both sides' DMS thresholds.
 Usage (from the repository root, after ``python -m sparseety.training.shipped_policies`` built the training
 traces)::
 
-    .venv/bin/python benchmarks/kvpress_kvzap_train.py [--traces build/shipped_policies/smollm2-135m]
+    .venv/bin/python -m benchmarks.kvpress_kvzap_train [--traces build/shipped_policies/smollm2-135m]
         [--requests 26] [--out benchmarks/results/kvpress_kvzap_train] [--surrogates linear,mlp] [--n-tokens 500]
         [--threads 1]
 
@@ -69,6 +69,8 @@ def worker(texts_file: str, out_dir: str, model_dir: str, surrogates: list[str],
     stub = types.ModuleType("transformers.integrations.finegrained_fp8")
     stub.FP8Linear = type("FP8Linear", (), {})
     sys.modules.setdefault("transformers.integrations.finegrained_fp8", stub)
+    # kvpress's kvzap/ folder, vendored unmodified as a source tree (not a package of ours, absent from kvpress's
+    # wheel): this worker runs in kvpress's venv, where only this path makes its own ``kvzap.*`` imports resolve
     sys.path.insert(0, str(THIRD_PARTY))
     from kvzap.data import KVzapDataCollector
     from kvzap.train import train_linear, train_mlp
@@ -219,9 +221,9 @@ def main() -> None:
 
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    from kvpress_compare import ensure_venv
-
+    # here, not at the top: the worker runs this file as a script in kvpress's venv (standard library only)
+    from benchmarks.common import command, machine, source
+    from benchmarks.kvpress_compare import ensure_venv
     from sparseety.training.kvzap_surrogate import KVzapConfig, read_contexts
     from sparseety.training.learned_policy import split_requests
     from sparseety.engine import SparseEngine
@@ -237,7 +239,7 @@ def main() -> None:
     if args.sparseety_only:
         summary = json.loads((args.out / "summary.json").read_text())
         summary["sparseety"] = ours(engine, contexts, held, args.n_tokens)
-        summary["sparseety_command"] = "python benchmarks/kvpress_kvzap_train.py " + " ".join(sys.argv[1:])
+        summary["sparseety_command"] = command()
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps({k: summary["sparseety"][k] for k in ("heldout_mean", "thresholds", "layer_thresholds")}))
         return
@@ -259,7 +261,7 @@ def main() -> None:
                          env=env, stdout=subprocess.PIPE, text=True, check=True)
     kvpress = json.loads(got.stdout.strip().splitlines()[-1]) | {"wall_seconds": round(time.perf_counter() - t0, 1)}
     summary = {
-        "command": "python benchmarks/kvpress_kvzap_train.py " + " ".join(sys.argv[1:]),
+        "command": command(), "source": source(), "machine": machine(),
         "model": DEFAULT_MODEL, "traces": str(args.traces), "requests": len(contexts),
         "train_requests": len(train), "heldout_requests": len(held),
         "kvpress": kvpress, "sparseety": ours(engine, contexts, held, args.n_tokens),

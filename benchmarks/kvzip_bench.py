@@ -19,8 +19,8 @@ tokens >= 0.9 x streaming's.
 
 Usage::
 
-    .venv/bin/python benchmarks/kvzip_bench.py              # ~7k context, budget 1024, 2 rounds
-    .venv/bin/python benchmarks/kvzip_bench.py --quick      # 1k context, budget 256, 1 round
+    .venv/bin/python -m benchmarks.kvzip_bench              # ~7k context, budget 1024, 2 rounds
+    .venv/bin/python -m benchmarks.kvzip_bench --quick      # 1k context, budget 256, 1 round
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import CLOCKS, ForwardClock, command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.models import load_model
 from sparseety.policies import build_policy
@@ -46,30 +46,6 @@ RESULTS = Path(__file__).resolve().parent / "results" / "kvzip" / "kvzip.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TARGET_PREFILL = 2.2
 TARGET_DECODE = 0.9
-CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
-
-
-class ForwardClock:
-    """Start and end stamps of every forward of one model, on both clocks."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.starts: dict[str, list[float]] = {c: [] for c in CLOCKS}
-        self.ends: dict[str, list[float]] = {c: [] for c in CLOCKS}
-        model.register_forward_pre_hook(self._pre, prepend=True)
-        model.register_forward_hook(self._post)
-
-    def reset(self) -> None:
-        for c in CLOCKS:
-            self.starts[c].clear()
-            self.ends[c].clear()
-
-    def _pre(self, *_: Any) -> None:
-        for c, clock in CLOCKS.items():
-            self.starts[c].append(clock())
-
-    def _post(self, *_: Any) -> None:
-        for c, clock in CLOCKS.items():
-            self.ends[c].append(clock())
 
 
 #: The runs of a round: (label, policy, extra kvzip options). ``kvzip_chunk``: ``attend=chunk``, whose
@@ -153,8 +129,7 @@ def main() -> None:
     kv = {x["label"]: x["kv_cache_bytes_peak"] for x in runs}
     report = {
         "benchmark": "kvzip_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": args.threads},
+        "command": command(), "source": source(), "machine": machine(),
         "model": args.model, "context": encoded.input_len, "budget": args.budget, "new_tokens": args.new_tokens,
         "chunk_size": args.chunk_size, "rounds": args.rounds, "primary_clock": "cpu",
         "targets": {"kvzip_prefill_over_dense_max": TARGET_PREFILL, "kvzip_decode_over_streaming_min": TARGET_DECODE},

@@ -14,8 +14,8 @@ Target (issue 15): kvzip decode tokens/s at budget 1024 on ~7k tokens >= 0.9 x s
 
 Usage::
 
-    .venv/bin/python benchmarks/kvzip_decode_bench.py               # 7k context, budget 1024 (~8 min)
-    .venv/bin/python benchmarks/kvzip_decode_bench.py --context 2000 --budget 512 --rounds 4
+    .venv/bin/python -m benchmarks.kvzip_decode_bench               # 7k context, budget 1024 (~8 min)
+    .venv/bin/python -m benchmarks.kvzip_decode_bench --context 2000 --budget 512 --rounds 4
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.engine.context import activate
 from sparseety.models import load_model
@@ -87,8 +86,7 @@ def main() -> None:
     ratios = {label: speed[label] / speed["streaming"] for label in speed if label != "streaming"}
     report = {
         "benchmark": "kvzip_decode_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": args.threads, "loadavg_end": os.getloadavg()[0]},
+        "command": command(), "source": source(), "machine": machine(),
         "model": args.model, "context": encoded.input_len, "budget": args.budget, "block": args.block,
         "rounds": args.rounds, "clock": "process cpu",
         "target": {"kvzip_decode_over_streaming_min": TARGET_DECODE},

@@ -10,7 +10,7 @@ Target (issue 2): the cached load takes a few seconds, not the ~35 s of a GGUF d
 
 Usage::
 
-    .venv/bin/python benchmarks/load_bench.py [--model smollm2-135m] [--output benchmarks/results/load/load.json]
+    .venv/bin/python -m benchmarks.load_bench [--model smollm2-135m] [--output benchmarks/results/load/load.json]
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import command, machine, source
 
 RESULTS = Path(__file__).resolve().parent / "results" / "load" / "load.json"
 CACHED_TARGET_S = 5.0  # "a few seconds"
@@ -73,12 +74,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="sparseety-load-bench-") as tmp:
         env = dict(os.environ, SPARSEETY_CACHE=tmp)
-        load_before = os.getloadavg()
+        load_before = [round(x, 2) for x in os.getloadavg()]
         first = run_child(args.model, env)
         after_first = cache_files(Path(tmp))
         cached = run_child(args.model, env)
         after_cached = cache_files(Path(tmp))
-        load_after = os.getloadavg()
         cache_bytes = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
 
     converted_once = bool(after_first) and after_first == after_cached  # second load wrote nothing
@@ -86,9 +86,9 @@ def main() -> None:
     result = {
         "benchmark": "load_bench",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "command": command(),
+        "source": source(),
+        "machine": machine(load_average_at_start=load_before),
         "model": args.model,
         "first_load": first,
         "cached_load": cached,

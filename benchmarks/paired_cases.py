@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/paired_cases.py RESULT_JSON [RESULT_JSON ...] --a sparseety:kvzap --b sparseety:kvzip
+    .venv/bin/python -m benchmarks.paired_cases RESULT_JSON [RESULT_JSON ...] --a sparseety:kvzap --b sparseety:kvzip
         [--ratio 0.5] [--tasks passkey,niah_multikey] [--alias [FILE_NAME:]OLD=NEW ...] [--out FILE]
 
 Reads ``benchmarks/kvpress_compare.py`` result files (rows of several files merged as its ``--markdown`` does).
@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from math import comb
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-from kvpress_compare import CASE_KEYS, merged_rows  # noqa: E402
+from benchmarks.common import command
+from benchmarks.kvpress_compare import CASE_KEYS, merged_rows
 
 SIDES = ("sparseety", "kvpress")
 
@@ -96,7 +94,7 @@ def main() -> None:
     rows = read(args.files, args.alias)
     (side_a, policy_a), (side_b, policy_b) = parse_side(args.a), parse_side(args.b)
     tasks = args.tasks.split(",") if args.tasks else list(dict.fromkeys(r["task"] for r in rows["sparseety"]))
-    result: dict[str, object] = {"command": "python " + " ".join(sys.argv), "a": args.a, "b": args.b,
+    result: dict[str, object] = {"command": command(), "a": args.a, "b": args.b,
                                  "ratio": args.ratio, "tasks": {}}
     for task in tasks:
         got = paired(scores(rows[side_a], policy_a, args.ratio, task), scores(rows[side_b], policy_b, args.ratio, task))

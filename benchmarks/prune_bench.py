@@ -13,8 +13,8 @@ agreement, perplexities; plus the free-running greedy outputs' agreement and fir
 
 Usage::
 
-    .venv/bin/python benchmarks/prune_bench.py             # ~5 min on this machine
-    .venv/bin/python benchmarks/prune_bench.py --repeats 1 --context 2000   # smoke run
+    .venv/bin/python -m benchmarks.prune_bench             # ~5 min on this machine
+    .venv/bin/python -m benchmarks.prune_bench --repeats 1 --context 2000   # smoke run
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.common import command, machine, source
 from sparseety.engine import EncodedInput, SparseEngine, encode_prompt
 from sparseety.models import load_model
 from sparseety.policies import build_policy
@@ -140,9 +139,9 @@ def main() -> None:
     res = {
         "benchmark": "prune_bench",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "machine": {"nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-                    "torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "command": command(),
+        "source": source(),
+        "machine": machine(),
         "setup": {"model": args.model, "text": str(TEXT), "chat_template": False, "context": args.context,
                   "schedule": schedule.params(), "repeats": args.repeats, "order": "ABBA rounds",
                   "ttft": "engine.generate(max_new_tokens=1, tier=1), policy dense, median over runs",

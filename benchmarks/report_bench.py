@@ -15,17 +15,19 @@ The trace is :func:`sparseety.report.synthetic.synthetic_trace` (H2O-shaped evic
 
 Usage::
 
-    .venv/bin/python benchmarks/report_bench.py
+    .venv/bin/python -m benchmarks.report_bench
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import command, machine, source
 from sparseety.report import render_html
 from sparseety.report.synthetic import synthetic_trace
 
@@ -36,6 +38,7 @@ TARGET_MS = 2000.0
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says what it is
     from playwright.sync_api import sync_playwright
 
     trace = synthetic_trace()
@@ -75,6 +78,7 @@ def main() -> None:
         "ready_vs_target": round(statistics.median(ready) / TARGET_MS, 3),
         "meets_size_target": len(html.encode()) < 5 * 2**20,
         "meets_ready_target": statistics.median(ready) < TARGET_MS,
+        "command": command(), "source": source(), "machine": machine(),
     }
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(figures, indent=1) + "\n")

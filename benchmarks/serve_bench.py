@@ -23,7 +23,7 @@ one at a time, answers identical; issue 7, 5% sampling at least 0.97 of off, 100
 
 Usage::
 
-    .venv/bin/python benchmarks/serve_bench.py [--rounds 4] [--requests 16] [--concurrency 8]
+    .venv/bin/python -m benchmarks.serve_bench [--rounds 4] [--requests 16] [--concurrency 8]
         [--max-concurrency 8] [--max-tokens 32] [--threads 1] [--clock cpu|wall] [--output benchmarks/results/serve/serve.json]
 """
 
@@ -32,11 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import command, machine, source
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serve" / "serve.json"
 TARGETS = {"5%": 0.97, "100%": 0.85}
@@ -98,13 +96,6 @@ def run_round(url: str, texts: list[str], ids: list[str], concurrency: int,
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     client.close()
     return wall, cpu, [d[0] for d in done], [d[1] for d in done]
-
-
-def source_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:
@@ -204,14 +195,13 @@ def main() -> None:
     report = {
         "benchmark": "serve_bench",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command(),
         "settings": vars(args) | {"output": str(args.output)},
         "figures": figures,
         "targets": targets,
         "trace_writer": writer_stats,
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "loadavg": os.getloadavg()},
-        "source": source_commit(),
+        "machine": machine(),
+        "source": source(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -1,7 +1,7 @@
 """Trace store speed: rows written per second at tier 2, the producer's enqueue cost, and a DuckDB
 count over 1M ``token_events`` rows.
 
-Run: ``.venv/bin/python benchmarks/store_bench.py`` (about a minute; ``--quick`` for a smoke run);
+Run: ``.venv/bin/python -m benchmarks.store_bench`` (about a minute; ``--quick`` for a smoke run);
 prints the figures and saves them to ``benchmarks/results/store/store.json``.
 
 - write: synthetic tier-2 requests shaped like the default model at a small budget (200-token prompt,
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import command, machine, source
 from sparseety.store import TraceWriter, connect
 from sparseety.store.synthetic import synthetic_result
 
@@ -146,7 +146,7 @@ def main() -> None:
         print(f"query: count over {query['token_events_rows']} token_events rows {query['count_ms']} ms, "
               f"group by event/layer {query['group_by_event_layer_ms']} ms, connect {query['connect_ms']} ms")
     figures = {"write": write, "enqueue": enqueue, "query": query, "shape": SHAPE,
-               "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+               "command": command(), "source": source(), "machine": machine(),
                "quick": args.quick}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(figures, indent=1) + "\n")

@@ -35,19 +35,19 @@ median of per-round ratios (runs of one round are adjacent in time).
 
 Usage::
 
-    .venv/bin/python benchmarks/vllm_compare.py            # 8 x 250 and 8 x 4000 tokens, 64 new; ~30 min
-    .venv/bin/python benchmarks/vllm_compare.py --quick    # smoke: 4 x 250 and 4 x 1000 tokens, 16 new
+    .venv/bin/python -m benchmarks.vllm_compare            # 8 x 250 and 8 x 4000 tokens, 64 new; ~30 min
+    .venv/bin/python -m benchmarks.vllm_compare --quick    # smoke: 4 x 250 and 4 x 1000 tokens, 16 new
 """
 
 from __future__ import annotations
 
-# Only the standard library at the top: the same file runs in the vLLM venv as the worker.
+# Only the standard library and the (standard-library) launcher at the top: this file runs in the vLLM venv as
+# the worker, as a script, where ``benchmarks.common`` is not importable (the driver imports it in ``main``).
 import argparse
 import datetime as dt
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,10 +57,11 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
+from sparseety.integrations.vllm_launcher import VENV, log_tail, stop_group, vllm_env
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm_compare" / "vllm_compare.json"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-VENV = Path(os.environ.get("SPARSEETY_VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL = "smollm2-135m"
 TARGET_SPARSE_VS_VLLM = 1.0
 
@@ -182,9 +183,7 @@ class VllmProcess:
         key = secrets.token_bytes(16)
         self.sock_dir = tempfile.mkdtemp(prefix="vllm-compare-")
         self.listener = Listener(os.path.join(self.sock_dir, "sock"), family="AF_UNIX", authkey=key)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-        env.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                    "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        env = vllm_env({"TOKENIZERS_PARALLELISM": "false"}, kv_cache_gib=kv_gib)
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.pop(k, None)
         self.env_set = {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE")}
@@ -206,7 +205,7 @@ class VllmProcess:
         return self.call(cfg)
 
     def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def binding(self) -> list[str]:
         """vLLM's own report of its OpenMP thread binding (from its log)."""
@@ -220,13 +219,7 @@ class VllmProcess:
                 self.proc.wait(60)
         except Exception:  # noqa: BLE001
             pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc, grace_s=30)
         self._log.close()
         self.listener.close()
 
@@ -414,6 +407,7 @@ def main() -> None:
         return
     if not (VENV / "bin" / "python").is_file():
         sys.exit(f"error: the vLLM side venv {VENV} is absent: build it with `bash scripts/setup-vllm.sh`")
+    from benchmarks.common import command, machine, source
     count, short_tokens, long_tokens, new_tokens, budget = (4, 250, 1000, 16, 128) if args.quick \
         else (8, 250, 4000, 64, 512)
     rounds_short = args.rounds_short or (2 if args.quick else 3)
@@ -426,7 +420,7 @@ def main() -> None:
     from sparseety.models.registry import resolve_model_dir
 
     started = time.perf_counter()
-    load_at_start = os.getloadavg()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     model_dir = resolve_model_dir(MODEL)
     t0 = time.perf_counter()
     model, tokenizer = load_model(MODEL)
@@ -494,10 +488,7 @@ def main() -> None:
             "long": f"{sec_long['vllm_equals_sparseety_dense']['prompts_equal']}/{count}"},
     }
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
-           "command": " ".join([".venv/bin/python", "benchmarks/vllm_compare.py", *sys.argv[1:]]),
-           "source": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip(),
-           "machine": {"cpus": os.cpu_count(), "load_at_start": load_at_start, "load_at_end": os.getloadavg()},
+           "command": command(), "source": source(), "machine": machine(load_average_at_start=load_at_start),
            "model": MODEL, "model_dir": model_dir, "dtype": "float32", "greedy": True,
            "clock": "wall of the generate call only (tokens/s = generated / wall, prefill included); CPU beside",
            "threads": {"sparseety_torch_threads": threads, "vllm_worker_cores": vllm_threads,

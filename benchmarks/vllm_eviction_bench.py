@@ -15,7 +15,7 @@ reads another request's prompt): dense, and ``SPARSEETY_KV_POLICY=streaming SPAR
   (``sparseety_policy=kvzap``) on the evicting server, against the same request on dense vLLM; the median of
   ``--repeats`` (target <= 1.10x dense). The first compaction runs at the next step, in the decode figures.
 
-    .venv/bin/python benchmarks/vllm_eviction_bench.py [--n 2] [--requests 10] [--prompt 4096] [--new 256]
+    .venv/bin/python -m benchmarks.vllm_eviction_bench [--n 2] [--requests 10] [--prompt 4096] [--new 256]
         [--long 7000] [--long-budget 1024] [--decode 128] [--repeats 3] [--out benchmarks/results/vllm_eviction/vllm_eviction.json]
 """
 
@@ -24,16 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_observer_bench import ROOT, VLLM, Server  # noqa: E402
+from benchmarks.common import ROOT, command, machine, source
+from sparseety.integrations.vllm_launcher import VLLM, VllmServer, serve_flags
 
 BLOCK = 32
 LICENSES = Path("/usr/share/common-licenses")
@@ -50,22 +48,14 @@ def token_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * step: i * step + length] for i in range(count)]
 
 
-def running_now(server: Server) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("vllm:num_requests_running"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def load(server: Server, prompts: list[list[int]], new: int) -> dict[str, float]:
+def load(server: VllmServer, prompts: list[list[int]], new: int) -> dict[str, float]:
     """All ``prompts`` at once: the most requests vLLM ran at once, and output tokens per wall second."""
     peak, stop = [0.0], threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
             try:
-                peak[0] = max(peak[0], running_now(server))
+                peak[0] = max(peak[0], server.metrics().get("vllm:num_requests_running", 0.0))
             except OSError:
                 pass
             stop.wait(0.25)
@@ -74,7 +64,7 @@ def load(server: Server, prompts: list[list[int]], new: int) -> dict[str, float]
     watcher.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        tokens = sum(pool.map(lambda p: server.complete(p, new), prompts))
+        tokens = sum(pool.map(lambda p: server.completion_tokens(p, new), prompts))
     wall = time.perf_counter() - start
     stop.set()
     watcher.join()
@@ -82,23 +72,23 @@ def load(server: Server, prompts: list[list[int]], new: int) -> dict[str, float]
             "output_tokens_per_s": round(tokens / wall, 3)}
 
 
-def decode_rate(server: Server, prompt: list[int], decode: int, xargs: dict | None) -> dict[str, float]:
+def decode_rate(server: VllmServer, prompt: list[int], decode: int, xargs: dict | None) -> dict[str, float]:
     """Decode tokens per second of one request on ``prompt`` (two requests: 1 and ``1 + decode`` new tokens)."""
     timed = []
     for new in (1, 1 + decode):
         start = time.perf_counter()
-        server.complete(prompt, new, xargs)
+        server.completion_tokens(prompt, new, xargs)
         timed.append(time.perf_counter() - start)
     return {"prefill_s": round(timed[0], 3), "decode_s": round(timed[1] - timed[0], 3),
             "decode_tokens_per_s": round(decode / (timed[1] - timed[0]), 3)}
 
 
-def prefill_time(server: Server, prompt: list[int], repeats: int, xargs: dict | None) -> dict[str, object]:
+def prefill_time(server: VllmServer, prompt: list[int], repeats: int, xargs: dict | None) -> dict[str, object]:
     """Seconds to the first (only) token of ``prompt``, ``repeats`` times, and their median."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        server.complete(prompt, 1, xargs)
+        server.completion_tokens(prompt, 1, xargs)
         times.append(round(time.perf_counter() - start, 3))
     return {"times_s": times, "median_s": sorted(times)[len(times) // 2]}
 
@@ -124,7 +114,6 @@ def main() -> None:
         raise SystemExit(f"--out {args.out}: cannot write there ({exc})") from None
     if not VLLM.is_file():
         raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
-    sys.path.insert(0, str(ROOT / "src"))
     from transformers import AutoTokenizer
 
     from sparseety.models.registry import resolve_model_dir
@@ -136,17 +125,17 @@ def main() -> None:
     blocks = args.n * -(-(args.prompt + args.new) // BLOCK)
     if blocks * BLOCK < args.long + args.decode + 1:
         raise SystemExit(f"{blocks} blocks cannot hold the --long prompt: raise --n or lower --long")
-    flags = ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks), "--no-enable-prefix-caching",
-             "--max-model-len", str(max(args.prompt + args.new, args.long + args.decode + 1)),
-             "--max-num-seqs", str(max(16, args.requests)), "--max-num-batched-tokens", "2048"]
+    flags = serve_flags(block_size=BLOCK, num_blocks=blocks, prefix_caching=False,
+                        max_model_len=max(args.prompt + args.new, args.long + args.decode + 1),
+                        max_num_seqs=max(16, args.requests), max_batched_tokens=2048)
     work = Path(tempfile.mkdtemp(prefix="vllm-eviction-bench-"))
     sides = {"dense": {}, "streaming": {"SPARSEETY_KV_POLICY": "streaming", "SPARSEETY_KV_BUDGET": str(args.budget)}}
     figures: dict[str, dict] = {}
     for name, env in sides.items():
-        server = Server(model, name, env, work, extra_args=flags)
+        server = VllmServer(model, None, work / f"{name}.log", flags=flags, extra_env=env, name=name)
         try:
-            server.wait()
-            server.complete(prompts[0][:64], 2)  # warm up
+            server.start()
+            server.completion_tokens(prompts[0][:64], 2)  # warm up
             figures[name] = {"load": load(server, prompts, args.new)}
             print(name, "load", figures[name]["load"], flush=True)
             xargs = {"sparseety_budget": args.long_budget} if name == "streaming" else None  # asked per request
@@ -170,9 +159,9 @@ def main() -> None:
               for k, (v, op, t) in targets.items()}
     for key, check in checks.items():
         print(f"{'PASS' if check['pass'] else 'MISS'}  {key:24s} {check['value']:7.3f}  (target {check['target']})")
-    result = {"benchmark": "vllm_eviction", "command": " ".join(sys.argv), "kv_blocks": blocks, "block_size": BLOCK,
+    result = {"benchmark": "vllm_eviction", "command": command(), "kv_blocks": blocks, "block_size": BLOCK,
               "settings": vars(args) | {"out": str(args.out)}, "figures": figures, "targets": checks,
-              "load_average_end": list(os.getloadavg())}
+              "source": source(), "machine": machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"saved {args.out}")

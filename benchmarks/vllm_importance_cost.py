@@ -8,7 +8,7 @@ median of vLLM's own decode time per token (``decode_s / (outputs - 1)``, from t
 against off, and their ratio; prefill time likewise. Prints a table and saves
 ``benchmarks/results/vllm_importance_cost/vllm_importance_cost.json``.
 
-    .venv/bin/python benchmarks/vllm_importance_cost.py [--contexts 1024 4096] [--repeats 3] [--max-tokens 48]
+    .venv/bin/python -m benchmarks.vllm_importance_cost [--contexts 1024 4096] [--repeats 3] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+from benchmarks.common import ROOT, command, machine, source
+from sparseety.integrations.vllm_launcher import VLLM, VllmServer, serve_flags
+
+BLOCK = 32
 
 WORDS = ("river stone lamp orbit cedar violet signal harbor copper meadow lantern quartz ember falcon "
          "willow prism canyon tide glacier saffron beacon thistle cobalt marble").split()
@@ -45,7 +46,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_importance_cost" / "vllm_importance_cost.json")
     args = parser.parse_args()
 
-    import vllm_server
+    if not VLLM.is_file():
+        raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
     from transformers import AutoTokenizer
 
     from sparseety.models.registry import resolve_model_dir
@@ -54,16 +56,11 @@ def main() -> None:
     model = resolve_model_dir("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(model)
     longest = max(args.contexts) + args.max_tokens + 64
-    vllm_server.MAX_MODEL_LEN = longest
-    vllm_server.NUM_BLOCKS = longest // vllm_server.BLOCK_SIZE + 4
-    vllm_server.MAX_BATCHED_TOKENS = 2048
     base = Path(tempfile.mkdtemp(prefix="sparseety-importance-cost-"))
-    server = vllm_server.VllmServer(model, base / "traces", base / "vllm.log")
-    cut = server.args.index("--speculative-config")  # the live tests' flags, speculative decoding off
-    del server.args[cut : cut + 2]
-    cut = server.args.index("--per-request-spec-decode-metrics")
-    del server.args[cut : cut + 2]
-    server.start()
+    # the live tests' flags (tests/vllm_observer/vllm_server.py), speculative decoding off, a cache for the longest
+    flags = serve_flags(prefix_caching=True, block_size=BLOCK, num_blocks=longest // BLOCK + 4, max_model_len=longest,
+                        max_num_seqs=8, max_batched_tokens=2048, prompt_tokens_details=True)
+    server = VllmServer(model, base / "traces", base / "vllm.log", flags=flags).start()
     print(f"vllm serve started in {server.startup_s:.1f} s (log: {base / 'vllm.log'})", flush=True)
     rows: list[dict] = []
     try:
@@ -106,8 +103,8 @@ def main() -> None:
         print(f"{t['context']:>8} {t['off']['decode_ms_per_token']:>11.2f} {t['value']['decode_ms_per_token']:>13.2f} "
               f"{t['decode_ratio']:>6.3f} {t['decode_extra_ms_per_token']:>13.2f} {t['prefill_ratio']:>14.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "max_tokens": args.max_tokens,
-                                    "repeats": args.repeats, "results": table}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"command": command(), "max_tokens": args.max_tokens, "repeats": args.repeats,
+                                    "results": table, "source": source(), "machine": machine()}, indent=2) + "\n")
     print(f"saved {args.out}")
 
 

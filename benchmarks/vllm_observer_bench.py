@@ -8,7 +8,7 @@ time, so load from other processes falls on both alike; each round sends the sam
 several concurrent clients and counts generated tokens per wall-clock second. The figure is the ratio of
 the medians (target >= 0.97).
 
-    .venv/bin/python benchmarks/vllm_observer_bench.py [--rounds 4] [--requests 16] [--concurrency 4]
+    .venv/bin/python -m benchmarks.vllm_observer_bench [--rounds 4] [--requests 16] [--concurrency 4]
         [--model smollm2-135m] [--out benchmarks/results/vllm_observer/vllm_observer.json]
 
 ``--model`` takes a built-in name (``smollm2-moe``: the MoE model, whose every request's expert routing is
@@ -24,80 +24,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM = Path(os.environ.get("SPARSEETY_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "vllm"
+from benchmarks.common import ROOT, command, machine, source
+from sparseety.integrations.vllm_launcher import VLLM, VllmServer, serve_flags
+
 WORDS = "river stone lamp orbit cedar violet signal harbor copper meadow lantern quartz ember falcon".split()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def launch_side(model: str, name: str, env: dict[str, str], log_dir: Path) -> VllmServer:
+    """One side's ``vllm serve`` (prefix caching and KV-cache events on), launched and not yet waited for."""
+    return VllmServer(model, None, log_dir / f"{name}.log", flags=serve_flags(prefix_caching=True, max_model_len=2048),
+                      extra_env=env, name=name).launch()
 
 
-class Server:
-    def __init__(self, model: str, name: str, env: dict[str, str], log_dir: Path,
-                 extra_args: list[str] | None = None) -> None:
-        """``extra_args`` come last, so they override the flags above (argparse keeps an option's last value)."""
-        self.model, self.name, self.port = model, name, free_port()
-        kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                         "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-        args = [str(VLLM), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048", "--kv-events-config", kv,
-                *(extra_args or [])]
-        full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")},
-                    "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **env}
-        self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name}: vllm serve exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.5)
-        raise SystemExit(f"{self.name}: vllm serve did not start")
-
-    def complete(self, prompt: str | list[int], max_tokens: int, xargs: dict | None = None) -> int:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                         headers={"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return json.loads(response.read())["usage"]["completion_tokens"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-
-
-def one_round(server: Server, prompts: list[str], max_tokens: int, concurrency: int) -> float:
+def one_round(server: VllmServer, prompts: list[str], max_tokens: int, concurrency: int) -> float:
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(lambda p: server.complete(p, max_tokens), prompts))
+        tokens = sum(pool.map(lambda p: server.completion_tokens(p, max_tokens), prompts))
     return tokens / (time.perf_counter() - start)
 
 
@@ -115,19 +64,18 @@ def main() -> None:
     args = parser.parse_args()
     if not VLLM.is_file():
         raise SystemExit(f"{VLLM} is missing: run `bash scripts/setup-vllm.sh` first")
-    sys.path.insert(0, str(ROOT / "src"))
     from sparseety.models.registry import resolve_model_dir
 
     model = resolve_model_dir(args.model)
     suffix = "" if args.model == "smollm2-135m" else f"_{args.model}"
     out = args.out or ROOT / "benchmarks" / "results" / "vllm_observer" / f"vllm_observer{suffix}.json"
     work = Path(tempfile.mkdtemp(prefix="vllm-observer-bench-"))
-    off = Server(model, "off", {"VLLM_PLUGINS": ""}, work)
-    on = Server(model, "observer", {"SPARSEETY_TRACE_DIR": str(work / "traces"), "SPARSEETY_TIER": "2",
-                                    "SPARSEETY_SAMPLE_RATE": str(args.sample_rate)}, work)
+    off = launch_side(model, "off", {"VLLM_PLUGINS": ""}, work)
+    on = launch_side(model, "observer", {"SPARSEETY_TRACE_DIR": str(work / "traces"), "SPARSEETY_TIER": "2",
+                                         "SPARSEETY_SAMPLE_RATE": str(args.sample_rate)}, work)
     try:
-        off.wait()
-        on.wait()
+        off.wait_ready()
+        on.wait_ready()
         rates: dict[str, list[float]] = {"off": [], "observer": []}
         for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
             rng = random.Random(round_index)
@@ -148,7 +96,7 @@ def main() -> None:
                   "requests": args.requests, "concurrency": args.concurrency,
                   "max_tokens": args.max_tokens, "sample_rate": args.sample_rate, "prompt_words": args.prompt_words,
                   "per_round": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-                  "load_average_end": list(os.getloadavg())}
+                  "command": command(), "source": source(), "machine": machine()}
         print(json.dumps(result))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

@@ -17,15 +17,15 @@ per KV head. Results: ``benchmarks/results/studies/kvpress_scores_check.json``.
 
 Usage::
 
-    .venv/bin/python benchmarks/studies/kvpress_scores_check.py      # ~20 s once the side environment exists
+    .venv/bin/python -m benchmarks.studies.kvpress_scores_check      # ~20 s once the side environment exists
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -130,8 +130,11 @@ def compare(path: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--dump":
-        dump(sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump", metavar="PATH", help=argparse.SUPPRESS)  # the kvpress side, in its venv
+    args = parser.parse_args()
+    if args.dump:
+        dump(args.dump)
         return
     if not VENV_PYTHON.exists():
         raise SystemExit(f"{VENV_PYTHON} is missing: run benchmarks/kvpress_compare.py once to create it")
@@ -139,7 +142,9 @@ def main() -> None:
         path = str(Path(tmp) / "kvpress_scores.pt")
         subprocess.run([str(VENV_PYTHON), __file__, "--dump", path], check=True, cwd=tmp)
         result = compare(path)
-    result["command"] = "python benchmarks/studies/kvpress_scores_check.py"
+    from benchmarks.common import command  # here: the --dump side runs this file as a script in kvpress's venv
+
+    result["command"] = command()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     for name, figures in result["presses"].items():

@@ -2,11 +2,11 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/studies/kvzap_levels.py [--cases 6] [--ratio 0.5] [--out benchmarks/results/studies/kvzap_levels.json]
+    .venv/bin/python -m benchmarks.studies.kvzap_levels [--cases 6] [--ratio 0.5] [--out benchmarks/results/studies/kvzap_levels.json]
 
 Three kinds of context, ``--cases`` each, none of them trained on:
 
-- ``docstrings``: prompts of the kind the shipped surrogate was fitted on (``benchmarks/learned_policy.py``
+- ``docstrings``: prompts of the kind the shipped surrogate was fitted on (``benchmarks/learned_policy_bench.py``
   training cases, at indices 1000 and up; the surrogate saw indices 0-25);
 - ``passkey``: the passkey cases of ``benchmarks/kvpress_compare.py`` (license text), seed 4;
 - ``multikey``: its niah_multikey cases, RULER seed 1.
@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from benchmarks.common import command
 
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 OUT = ROOT / "results" / "studies" / "kvzap_levels.json"
 ALLOCATIONS = ("uniform", "within_layer", "across_layers")
-sys.path.insert(0, str(ROOT))  # the benchmark scripts whose helpers this one uses
 
 
 def kept(scores, keep: float, allocation: str):
@@ -80,7 +80,7 @@ def answer_kept(predicted, true, keep: float, span: list[int]) -> dict[str, floa
 def contexts(tokenizer, cases: int) -> dict[str, list[tuple[list[int], tuple[str, ...]]]]:
     """Per kind, ``cases`` contexts: token ids (the question is not part of them) and the answer's strings
     (none for the docstring prompts)."""
-    from learned_policy import doc_sentences, training_case
+    from benchmarks.learned_policy_bench import doc_sentences, training_case
 
     from sparseety.bench.passkey import make_case, tokenizer_counter
     from sparseety.bench.ruler import encode_case, make_ruler_case
@@ -112,13 +112,13 @@ def main() -> None:
 
     import torch
 
-    from kvzap_needles import shipped_surrogate, value_spans
+    from benchmarks.studies.kvzap_needles import shipped_surrogate, value_spans
 
     from sparseety.training.kvzap_surrogate import Context, capture
     from sparseety.models import DEFAULT_MODEL
 
     engine, tokenizer, path, surrogate = shipped_surrogate()
-    result: dict[str, object] = {"command": "python benchmarks/studies/kvzap_levels.py " + " ".join(sys.argv[1:]),
+    result: dict[str, object] = {"command": command(),
                                  "surrogate": path.name, "ratio": args.ratio, "kinds": {}}
     for kind, items in contexts(tokenizer, args.cases).items():
         rows = []

@@ -2,10 +2,10 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/studies/kvzap_needles.py [--tasks niah_single,niah_multivalue] [--lengths 1000,2000]
+    .venv/bin/python -m benchmarks.studies.kvzap_needles [--tasks niah_single,niah_multivalue] [--lengths 1000,2000]
         [--cases 3] [--seed 0] [--ratio 0.5] [--out benchmarks/results/studies/kvzap_needles.json]
 
-For each case (the cases of ``benchmarks/kvpress_compare.py --ruler-cases 3``), one dense teacher-forced
+For each case (the cases of ``.venv/bin/python -m benchmarks.kvpress_compare --ruler-cases 3``), one dense teacher-forced
 pass (:func:`sparseety.training.kvzap_surrogate.capture`, KVzip's reconstruction prompt) gives every layer's
 hidden states and true log KVzip+ scores of the context tokens. Per layer and KV head, each score (the
 surrogate's prediction, or the truth) keeps its top ``1 - ratio`` of the context, as ``kvzap`` does with
@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from benchmarks.common import command
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "studies" / "kvzap_needles.json"
 
@@ -110,8 +112,8 @@ def main() -> None:
     layers = len(cases[0]["true"])
     mean = {side: [round(sum(c[side][layer] for c in cases) / len(cases), 3) for layer in range(layers)]
             for side in ("predicted", "true")}
-    doc = {"command": "python benchmarks/studies/kvzap_needles.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+    argv = [x for k, v in vars(args).items() if k != "out" for x in (f"--{k.replace('_', '-')}", str(v))]
+    doc = {"command": command(argv),
            "surrogate": path.name, "ratio": args.ratio, "cases": cases, "per_layer_mean": mean,
            "mean": {side: round(sum(v) / layers, 3) for side, v in mean.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

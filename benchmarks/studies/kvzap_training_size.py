@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/studies/kvzap_training_size.py [--traces build/shipped_policies/smollm2-135m]
+    .venv/bin/python -m benchmarks.studies.kvzap_training_size [--traces build/shipped_policies/smollm2-135m]
         [--cases 128] [--held-out 16] [--sizes 20,32,44,56,68,80,92,102] [--out benchmarks/results/studies/kvzap_training_size.json]
 
 The shipped SmolLM2 surrogate was fitted on 20 prompts: the training part of the first 26 traced prompts
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
+
+from benchmarks.common import command
 
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 TRACES = ROOT.parent / "build" / "shipped_policies" / "smollm2-135m"
@@ -54,8 +55,7 @@ def main() -> None:
     model, tokenizer = load_model(DEFAULT_MODEL)
     engine = SparseEngine(model, tokenizer, DEFAULT_MODEL)
     if not args.traces.is_dir():
-        sys.path.insert(0, str(ROOT))
-        from learned_policy import build_traces
+        from benchmarks.learned_policy_bench import build_traces
 
         build_traces(engine, tokenizer, args.cases, args.traces, [600, 900, 1200])
     contexts = read_contexts(args.traces, DEFAULT_MODEL)  # oldest first: case order
@@ -78,7 +78,7 @@ def main() -> None:
 
     result: dict = {
         "benchmark": "kvzap_training_size",
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command(),
         "model": DEFAULT_MODEL,
         "held_out_prompts": len(held),
         "shipped": {"prompts": len(train_idx), **fidelity(load_surrogate(shipped_file("kvzap-linear-", engine.model_info)))},

@@ -13,7 +13,7 @@ layout; the evicting per-layer choice holds the budget itself.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/studies/kvzip_head_budgets.py [--lengths 1000,1500,2000] [--depths 0.1,0.5,0.9]
+    .venv/bin/python -m benchmarks.studies.kvzip_head_budgets [--lengths 1000,1500,2000] [--depths 0.1,0.5,0.9]
                                                       [--seed 0] [--ratios 0.5,0.75]
 
 Saves ``benchmarks/results/studies/kvzip_head_budgets.json``. One torch thread.
@@ -27,6 +27,8 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from benchmarks.common import command
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "studies" / "kvzip_head_budgets.json"
 
@@ -83,9 +85,9 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     summary = {str(r): {key: round(statistics.mean(x[key] for x in rows if x["ratio"] == r), 4)
                         for key in ("budget_fraction", "padded_fraction")} for r in dict.fromkeys(x["ratio"] for x in rows)}
-    args.out.write_text(json.dumps({"model": DEFAULT_MODEL, "command": "python benchmarks/studies/kvzip_head_budgets.py "
-                                    f"--lengths {args.lengths} --depths {args.depths} --seed {args.seed} "
-                                    f"--ratios {args.ratios}", "summary": summary, "rows": rows}, indent=1))
+    argv = ["--lengths", args.lengths, "--depths", args.depths, "--seed", str(args.seed), "--ratios", args.ratios]
+    args.out.write_text(json.dumps({"model": DEFAULT_MODEL, "command": command(argv), "summary": summary, "rows": rows},
+                                   indent=1))
     print(json.dumps(summary, indent=1))
 
 

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/studies/value_aware_bench.py [--policies h2o,tova,snapkv] [--ratio 0.5]
+    .venv/bin/python -m benchmarks.studies.value_aware_bench [--policies h2o,tova,snapkv] [--ratio 0.5]
         [--lengths 1000] [--depths 0.1,0.5,0.9] [--tasks niah_single,niah_multikey,niah_multivalue,vt,cwe]
         [--ruler-cases 1] [--seed 0] [--threads 1] [--out benchmarks/results/studies/value_aware.json] [--resume]
 
@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import command
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "studies" / "value_aware.json"
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "resume"}
-    command = " ".join(["benchmarks/studies/value_aware_bench.py", *(argv if argv is not None else sys.argv[1:])])
+    run_command = command(argv)
     rows: list[dict[str, Any]] = []
     if args.resume and args.out.exists():
         before = json.loads(args.out.read_text())
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{variant.removesuffix('+va')} ratio {args.ratio}{extra}"
 
     def save(complete: bool) -> None:
-        doc = {"kind": "value_aware", "command": f".venv/bin/python {command}", "settings": settings,
+        doc = {"kind": "value_aware", "command": run_command, "settings": settings,
                "model": args.model, "threads": args.threads, "cases": {"passkey": len(passkey), "ruler": len(ruler)},
                "variants": {v: describe(v) for v in variants},
                **tables(rows, variants), "rows": rows, "complete": complete}

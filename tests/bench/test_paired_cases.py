@@ -8,7 +8,7 @@ import sys
 from math import comb
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paired_cases.py"
+ROOT = Path(__file__).resolve().parents[2]  #: ``python -m benchmarks.paired_cases`` runs from here
 
 
 def _row(policy: str, index: int, score: float, ratio: float = 0.5, task: str = "niah_multikey") -> dict:
@@ -22,7 +22,8 @@ def _write(path: Path, ours: list[dict], theirs: list[dict]) -> Path:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "benchmarks.paired_cases", *args], capture_output=True, text=True,
+                          cwd=ROOT)
 
 
 def test_paired_counts_and_the_exact_sign_test(tmp_path):

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/learned_policy.py [--train-cases 64] [--lengths 1000,1500,2000]
+    .venv/bin/python -m benchmarks.learned_policy_bench [--train-cases 64] [--lengths 1000,1500,2000]
                                                   [--depths 0.1,0.5,0.9] [--seeds 0,1,2,3] [--ratio 0.5]
 
 1. **Training traces** (``benchmarks/results/learned_policy/traces``): retrieval questions about
