@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent  #: the repository root, where every benchmark is run from
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _version(name: str) -> str | None:
