@@ -25,6 +25,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: packages whose subpackages are rooms of their own (the vLLM integration: vllm_api, transport, observe, evict)
+SPLIT_ROOMS = ("sparseety.integrations.vllm",)
+#: inside the vLLM integration, the rooms each room may import (the package's own modules, plugin and the
+#: request-arg checks, may import every room): one direction, observe and evict never each other
+VLLM_ROOMS = {"vllm_api": set(), "transport": {"vllm_api"}, "observe": {"vllm_api", "transport"},
+              "evict": {"vllm_api", "transport"}}
 CLASS_LIMIT = 300
 FUNCTION_LIMIT = 80
 
@@ -41,8 +47,18 @@ class Layout:
     lines: dict[str, int] = field(default_factory=dict)  #: module -> lines of its file
 
     def room(self, module: str) -> str:
-        """The top-level subpackage or module of ``module`` (the package itself for its ``__init__``)."""
-        return ".".join(module.split(".")[:2])
+        """The top-level subpackage or module of ``module`` (the package itself for its ``__init__``); inside a
+        package of :data:`SPLIT_ROOMS` one level deeper (``integrations.vllm.observe``; the package's own modules,
+        such as its ``plugin``, are the room ``integrations.vllm``)."""
+        parts = module.split(".")
+        for split in SPLIT_ROOMS:
+            depth = split.count(".") + 1
+            if parts[:depth] == split.split("."):
+                path = self.modules.get(module)
+                inner = len(parts) > depth + 1 or (len(parts) == depth + 1 and path is not None
+                                                   and path.name == "__init__.py")
+                return ".".join(parts[:depth + 1]) if inner else split
+        return ".".join(parts[:2])
 
     def room_edges(self) -> dict[str, set[str]]:
         """Room -> rooms it imports (the package's own ``__init__`` left out: it only re-exports)."""

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from sparseety.integrations.vllm.adapter import internals_table
+from sparseety.integrations.vllm.vllm_api.adapter import internals_table
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-internals.md"
 text = DOC.read_text()

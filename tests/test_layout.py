@@ -61,6 +61,25 @@ def test_no_package_circle(layout):
     assert not circles, "import circles between packages:\n" + "\n".join(detail)
 
 
+def test_the_vllm_integration_imports_one_way(layout):
+    """vllm_api is the ground floor; transport sits on it; observe and evict sit on both and never import each
+    other; only the package's own modules (plugin, the request-arg checks) import every room."""
+    vllm = "sparseety.integrations.vllm"
+    sub = {f"{vllm}.{name}": name for name in layout_script.VLLM_ROOMS}
+    wrong = []
+    for module, targets in layout.edges.items():
+        here = sub.get(layout.room(module))
+        if here is None:
+            continue
+        allowed = layout_script.VLLM_ROOMS[here] | {here}
+        for target in sorted(targets):
+            there = sub.get(layout.room(target), "the package itself" if target.startswith(vllm) else None)
+            if there is not None and there not in allowed:
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+    assert set(sub) <= {layout.room(m) for m in layout.modules}, "a room of the vLLM integration is missing"
+    assert not wrong, "imports against the vLLM integration's direction:\n" + "\n".join(wrong)
+
+
 def _command_body_lines() -> dict[str, int]:
     """``module:function`` -> lines from the first statement after the docstring, for CLI commands."""
     out = {}

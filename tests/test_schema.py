@@ -95,7 +95,7 @@ def test_both_engines_write_the_same_sparsity_block():
     import dataclasses
 
     from sparseety.engine.result import RunResult
-    from sparseety.integrations.vllm.record import VllmRun
+    from sparseety.integrations.vllm.transport.record import VllmRun
     from sparseety.schema import SPARSITY_FIELDS, sparsity_json
 
     own = {f.name for f in dataclasses.fields(RunResult)}

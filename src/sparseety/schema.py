@@ -129,6 +129,6 @@ SPARSITY_FIELDS = ("policy", "params", "budget", "evicted_positions", "eviction_
 
 def sparsity_json(run: Any) -> dict[str, Any]:
     """The ``sparsity`` block of a run's JSON record, the same keys for every engine (the own engine's
-    :class:`~sparseety.engine.result.RunResult`, vLLM's :class:`~sparseety.integrations.vllm.record.VllmRun`): each
+    :class:`~sparseety.engine.result.RunResult`, vLLM's :class:`~sparseety.integrations.vllm.transport.record.VllmRun`): each
     of :data:`SPARSITY_FIELDS` read from ``run``, None where that engine has no such field (vLLM prunes nothing)."""
     return {name: getattr(run, name, None) for name in SPARSITY_FIELDS}

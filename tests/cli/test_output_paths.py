@@ -28,7 +28,7 @@ from sparseety.bench.resume import write_document  # noqa: E402
 from sparseety.cli import app  # noqa: E402
 from sparseety.errors import InputError, OutputSavedElsewhere  # noqa: E402
 from sparseety.extract.head_weights import read_head_weights  # noqa: E402
-from sparseety.integrations.vllm.settings import check_trace_dir as vllm_check  # noqa: E402
+from sparseety.integrations.vllm.transport.settings import check_trace_dir as vllm_check  # noqa: E402
 from sparseety.output_paths import DIRECTORY, FILE, check_output, save_or_salvage  # noqa: E402
 from sparseety.store import write_trace  # noqa: E402
 from sparseety.store.synthetic import synthetic_result  # noqa: E402

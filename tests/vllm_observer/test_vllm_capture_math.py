@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from sparseety.integrations.vllm.attention_capture import RequestCapture, external_id
-from sparseety.integrations.vllm.channels import client_channel, importance_channel
-from sparseety.integrations.vllm.importance import summed_rows
+from sparseety.integrations.vllm.observe.attention_capture import RequestCapture
+from sparseety.integrations.vllm.vllm_api.ids import external_id
+from sparseety.integrations.vllm.transport.channels import client_channel, importance_channel
+from sparseety.integrations.vllm.observe.importance import summed_rows
 
 LAYERS, HEADS, KV_HEADS, D = 2, 6, 2, 8
 SCALE = 1 / math.sqrt(D)
@@ -160,7 +161,7 @@ def test_ids_and_channel():
 def test_shared_blocks_complete_a_prefix_cache_hit(tensors, mode):
     """Request A computes positions 0..10; B (same first 8 tokens, block size 4) is served 0..7 from the
     prefix cache: the two full blocks A saved give B every key, so B's sums equal the full computation."""
-    from sparseety.integrations.vllm.attention_capture import SharedBlocks
+    from sparseety.integrations.vllm.observe.attention_capture import SharedBlocks
 
     q, k, v = tensors
     prompt, outputs, block = 11, 4, 4
@@ -193,7 +194,7 @@ def test_shared_blocks_complete_a_prefix_cache_hit(tensors, mode):
 
 
 def test_importance_setting():
-    from sparseety.integrations.vllm.attention_capture import parse_mode
+    from sparseety.integrations.vllm.observe.attention_capture import parse_mode
 
     assert parse_mode({}) == ("value", None)
     assert parse_mode({"SPARSEETY_IMPORTANCE": " Attention "}) == ("attention", None)
@@ -207,7 +208,7 @@ def test_importance_setting():
 @pytest.mark.parametrize(("raw", "seconds", "warned"), [("", 5.0, False), (" 60 ", 60.0, False), ("0.5", 0.5, False),
                                                         ("abc", 5.0, True), ("-1", 5.0, True), ("inf", 5.0, True)])
 def test_importance_wait_setting(monkeypatch, caplog, raw, seconds, warned):
-    from sparseety.integrations.vllm import importance
+    from sparseety.integrations.vllm.observe import importance
 
     monkeypatch.setenv("SPARSEETY_IMPORTANCE_WAIT_S", raw)
     importance.wait_s.cache_clear()

@@ -19,10 +19,10 @@ SCRIPT = textwrap.dedent('''
     os.environ.pop("SPARSEETY_VLLM_CHANNEL", None)
     for var in [v for v in os.environ if v.startswith("SPARSEETY_")]:
         del os.environ[var]
-    from sparseety.integrations.vllm import adapter
-    from sparseety.integrations.vllm.messages import FinishedRequest
-    from sparseety.integrations.vllm.observer import Observer
-    from sparseety.integrations.vllm.settings import parse_settings
+    from sparseety.integrations.vllm.vllm_api import adapter
+    from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest
+    from sparseety.integrations.vllm.observe.observer import Observer
+    from sparseety.integrations.vllm.transport.settings import parse_settings
     from sparseety.store import connect, load_trace
 
     NS = types.SimpleNamespace
@@ -127,7 +127,7 @@ SCRIPT = textwrap.dedent('''
     assert parse_settings({"SPARSEETY_REDACT": "0", "SPARSEETY_IDS_ONLY": "true"}).ids_only is True
 
     # the model's name: --served-model-name, else the model directory's name (a hub snapshot: its repo id)
-    from sparseety.integrations.vllm.adapter import served_name
+    from sparseety.integrations.vllm.vllm_api.adapter import served_name
     hub = tmp / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "abc123"
     hub.mkdir(parents=True)
     assert served_name(NS(served_model_name="chat", model=model_dir)) == "chat"

@@ -10,7 +10,7 @@ import torch
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.evict.ledger import EvictionLedger
 from sparseety.integrations.vllm.evict.settings import parse_eviction
-from sparseety.integrations.vllm.strict_values import BadValue
+from sparseety.integrations.vllm.transport.values import BadValue
 from sparseety.integrations.vllm.evict.compaction import (
     compact,
     fill_holes,
@@ -337,7 +337,7 @@ def test_the_worker_report_joins_its_request_and_a_failure_stops_its_eviction():
 
 def test_the_kept_positions_are_the_fed_positions_not_evicted():
     """The refused record and the live path are checked against a real server (test_vllm_eviction_dp)."""
-    from sparseety.integrations.vllm.record import kept_after
+    from sparseety.integrations.vllm.transport.record import kept_after
 
     slots = np.array([[0, 1, 0, 3, 0.5], [1, 0, 1, 0, 0.1], [2, 1, 0, 9, 0.2]])  # position 9 was never fed
     assert kept_after(slots, (2, 2), 5) == {"0": {"0": [0, 1, 2, 3, 4], "1": [1, 2, 3, 4]},

@@ -23,9 +23,10 @@ SCRIPT = textwrap.dedent('''
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.metrics.stats import IterationStats
 
-    from sparseety.integrations.vllm import adapter, plugin
-    from sparseety.integrations.vllm.observer import observer
-    from sparseety.integrations.vllm.metrics import metrics
+    from sparseety.integrations.vllm import plugin
+    from sparseety.integrations.vllm.vllm_api import adapter
+    from sparseety.integrations.vllm.observe.observer import observer
+    from sparseety.integrations.vllm.transport.metrics import metrics
     from sparseety.store import connect
 
     plugin.register()
@@ -109,8 +110,9 @@ CHOICES = textwrap.dedent('''
     from vllm.v1.engine.parallel_sampling import ParentRequest
     from vllm.v1.metrics.stats import IterationStats
 
-    from sparseety.integrations.vllm import adapter, plugin
-    from sparseety.integrations.vllm.observer import observer
+    from sparseety.integrations.vllm import plugin
+    from sparseety.integrations.vllm.vllm_api import adapter
+    from sparseety.integrations.vllm.observe.observer import observer
     from sparseety.store import connect
 
     plugin.register()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sparseety.integrations.vllm import adapter
+from sparseety.integrations.vllm.vllm_api import adapter
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm-internals.md"
 

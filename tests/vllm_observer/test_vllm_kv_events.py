@@ -14,11 +14,11 @@ from vllm_server import ROOT, VENV, free_port, require_vllm
 SCRIPT = textwrap.dedent('''
     import sys
     import sparseety.integrations.vllm as pkg
-    import sparseety.integrations.vllm.observer, sparseety.integrations.vllm.plugin
+    import sparseety.integrations.vllm.observe.observer, sparseety.integrations.vllm.plugin
     heavy = [m for m in ("torch", "transformers", "vllm") if m in sys.modules]
     assert not heavy, f"the observer's import path imported {heavy}"
 
-    from sparseety.integrations.vllm.kv_events import (
+    from sparseety.integrations.vllm.observe.kv_events import (
         BlockIndex, KVEventSubscriber, subscriber_endpoint, wait_for)
     from vllm.distributed.kv_events import (
         AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher)

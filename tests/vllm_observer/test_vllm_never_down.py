@@ -49,7 +49,7 @@ def _vllm_version() -> str:
 SETTINGS = textwrap.dedent('''
     import logging, os, sys
     from pathlib import Path
-    from sparseety.integrations.vllm.settings import parse_settings
+    from sparseety.integrations.vllm.transport.settings import parse_settings
 
     tmp = Path(sys.argv[1])
     a_file = tmp / "a-file"
@@ -103,9 +103,9 @@ SETTINGS = textwrap.dedent('''
     handler.emit = lambda record: seen.append((record.levelname, record.getMessage()))
     logging.getLogger("sparseety.vllm").addHandler(handler)
     os.environ.update(SPARSEETY_SAMPLE_RATE="abc", SPARSEETY_TIER="9", SPARSEETY_TRACE_DIR=str(a_file))
-    from sparseety.integrations.vllm.metrics import metrics
-    from sparseety.integrations.vllm.messages import FinishedRequest
-    from sparseety.integrations.vllm.observer import observer
+    from sparseety.integrations.vllm.transport.metrics import metrics
+    from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest
+    from sparseety.integrations.vllm.observe.observer import observer
     obs = observer()
     assert seen == [("WARNING", bad.message)], seen
     assert obs.writer is None and obs.settings == bad
@@ -149,7 +149,11 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
-    from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
+    from sparseety.integrations.vllm import plugin
+    from sparseety.integrations.vllm.observe import engine_core_hooks
+    from sparseety.integrations.vllm.vllm_api import adapter
+    from sparseety.integrations.vllm.vllm_api import guards as hooks
+    from sparseety.integrations.vllm.observe import worker_hooks
 
     PATCHED = {"moe-routing": (FusedMoERouter, "select_experts"),
                "preemptions": (OutputProcessor, "_update_stats_from_output"),
@@ -249,10 +253,10 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
     assert seen == [off("ranks", "Request.__init__(request_id, prompt_token_ids, sampling_params, pooling_params, "
                         "client_index, ...) (it has __init__(self, request_id, prompt_token_ids, sampling_params, "
                         "pooling_params, arrival_time=None))")], seen
-    assert installed() == set(PATCHED) and plugin._client_of(SimpleNamespace(client_index=1)) == 0
+    assert installed() == set(PATCHED) and engine_core_hooks._client_of(SimpleNamespace(client_index=1)) == 0
     restore()
     plugin.register()
-    assert seen == [] and plugin._client_of(SimpleNamespace(client_index=1)) == 1
+    assert seen == [] and engine_core_hooks._client_of(SimpleNamespace(client_index=1)) == 1
 
     # a whole module gone: its hook off, the others on
     restore()
@@ -304,8 +308,8 @@ HOOKS = SCRIPT_START + textwrap.dedent('''
 
     # the stat-logger hook: StatLoggerBase.record gone -> an inert but valid stat logger, one warning
     def load_stat_logger():
-        sys.modules.pop("sparseety.integrations.vllm.stat_logger", None)
-        return importlib.import_module("sparseety.integrations.vllm.stat_logger")
+        sys.modules.pop("sparseety.integrations.vllm.observe.stat_logger", None)
+        return importlib.import_module("sparseety.integrations.vllm.observe.stat_logger")
 
     seen.clear()
     record = vars(loggers.StatLoggerBase)["record"]
@@ -400,7 +404,10 @@ RENAME = textwrap.dedent(r'''
 
 ATTRIBUTES = SCRIPT_START + RENAME + textwrap.dedent('''
     import logging, os, sys, types
-    from sparseety.integrations.vllm import adapter, hooks, plugin, worker_hooks
+    from sparseety.integrations.vllm import plugin
+    from sparseety.integrations.vllm.vllm_api import adapter
+    from sparseety.integrations.vllm.vllm_api import guards as hooks
+    from sparseety.integrations.vllm.observe import worker_hooks
 
 
     def off(hook, missing):

@@ -216,7 +216,7 @@ def test_sparseety_counters_per_engine_match_vllms_own_and_the_rows(traffic):
 
 RANKS_SCRIPT = textwrap.dedent('''
     import sys
-    from sparseety.integrations.vllm.kv_events import (
+    from sparseety.integrations.vllm.observe.kv_events import (
         KVEventSubscriber, RankedBlockIndex, rank_endpoint, subscriber_endpoint, wait_for)
     from vllm.distributed.kv_events import BlockStored, BlockRemoved, KVEventBatch, ZmqEventPublisher
 

@@ -51,11 +51,11 @@ FAULTS = [
     ("sparseety.integrations.vllm.evict.worker", "WorkerEviction", "layer"),
     ("sparseety.integrations.vllm.evict.worker", "WorkerEviction", "after_forward"),
     ("sparseety.integrations.vllm.evict.worker", "WorkerEviction", "outbox"),
-    ("sparseety.integrations.vllm.adapter", None, "shift_inputs"),
+    ("sparseety.integrations.vllm.vllm_api.adapter", None, "shift_inputs"),
     ("sparseety.integrations.vllm.request_guard", "_Guard", "problem"),
-    ("sparseety.integrations.vllm.observer", "Observer", "on_finished"),
-    ("sparseety.integrations.vllm.observer", "Observer", "on_finished_stats"),
-    ("sparseety.integrations.vllm.plugin", None, "_send"),
+    ("sparseety.integrations.vllm.observe.observer", "Observer", "on_finished"),
+    ("sparseety.integrations.vllm.observe.observer", "Observer", "on_finished_stats"),
+    ("sparseety.integrations.vllm.observe.engine_core_hooks", None, "send"),
 ]
 SITECUSTOMIZE = """
 import importlib, os

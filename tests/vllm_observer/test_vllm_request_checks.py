@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from sparseety.integrations.vllm.env_names import unknown_variables
+from sparseety.integrations.vllm.transport.env_names import unknown_variables
 from sparseety.integrations.vllm.evict.settings import parse_eviction
 from sparseety.integrations.vllm.request_args import check_request_args
 from sparseety.integrations.vllm.request_guard import _Guard, _RawArgsCheck
-from sparseety.integrations.vllm.strict_values import BadValue, decimal_int, decimal_number, shown
+from sparseety.integrations.vllm.transport.values import BadValue, decimal_int, decimal_number, shown
 
 DENSE = parse_eviction({"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": "64"})
 

@@ -15,8 +15,8 @@ SCRIPT = textwrap.dedent('''
     import msgspec, numpy as np, zmq
     from prometheus_client import CollectorRegistry
 
-    from sparseety.integrations.vllm.channels import CHANNEL_ENV, client_channel, routing_channel
-    from sparseety.integrations.vllm.routing_consumer import RoutingConsumer, RoutingMetrics
+    from sparseety.integrations.vllm.transport.channels import CHANNEL_ENV, client_channel, routing_channel
+    from sparseety.integrations.vllm.observe.routing_consumer import RoutingConsumer, RoutingMetrics
 
     base = f"ipc://{tempfile.mkdtemp()}/sparseety-test.sock"
     os.environ[CHANNEL_ENV] = base

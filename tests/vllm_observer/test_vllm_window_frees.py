@@ -1,5 +1,5 @@
-"""The window-free bookkeeping of :mod:`sparseety.integrations.vllm.window_frees` and the rows of
-:mod:`sparseety.integrations.vllm.window_rows`, on small stand-ins with the attribute names vLLM's
+"""The window-free bookkeeping of :mod:`sparseety.integrations.vllm.observe.window_frees` and the rows of
+:mod:`sparseety.integrations.vllm.observe.window_rows`, on small stand-ins with the attribute names vLLM's
 coordinator and managers have (no vLLM needed; ``test_vllm_windows.py`` runs the real ones)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from sparseety.engine.window import window_edge
-from sparseety.integrations.vllm.messages import KVGroup
-from sparseety.integrations.vllm.scheduler_consumer import RequestTable
-from sparseety.integrations.vllm.window_frees import WindowFrees
-from sparseety.integrations.vllm.window_rows import freed, window_events
+from sparseety.integrations.vllm.vllm_api.messages import KVGroup
+from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable
+from sparseety.integrations.vllm.observe.window_frees import WindowFrees
+from sparseety.integrations.vllm.observe.window_rows import freed, window_events
 
 NULL = object()
 BLOCK = 4

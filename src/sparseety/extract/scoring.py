@@ -111,7 +111,7 @@ def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def row_probs(query_rows: torch.Tensor, key: torch.Tensor, scaling: float,
               hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Attention probabilities of the last ``r`` new query rows (the step's newest queries): the rows the
-    engine's hook point and the vLLM capture (:mod:`sparseety.integrations.vllm.attention_capture`) score.
+    engine's hook point and the vLLM capture (:mod:`sparseety.integrations.vllm.observe.attention_capture`) score.
 
     Parameters
     ----------

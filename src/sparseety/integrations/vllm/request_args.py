@@ -15,9 +15,9 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from sparseety.integrations.vllm.attention_capture import MODE_ARG, MODES, TIER_ARG
+from sparseety.integrations.vllm.observe.attention_capture import MODE_ARG, MODES, TIER_ARG
 from sparseety.integrations.vllm.evict.settings import EVICTION_ARGS, POLICY_ARG, EvictionSettings
-from sparseety.integrations.vllm.strict_values import BadValue, clipped, is_blank, shown
+from sparseety.integrations.vllm.transport.values import BadValue, clipped, is_blank, shown
 
 PREFIX = "sparseety_"
 REQUEST_ARGS = (*EVICTION_ARGS, TIER_ARG, MODE_ARG)  #: every ``sparseety_*`` key a request may send

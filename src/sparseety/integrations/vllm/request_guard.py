@@ -21,11 +21,11 @@ import json
 import logging
 from typing import Any
 
-from sparseety.integrations.vllm import adapter
+from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.evict.settings import EvictionSettings
-from sparseety.integrations.vllm.hooks import guarded
+from sparseety.integrations.vllm.vllm_api.guards import guarded
 from sparseety.integrations.vllm.request_args import PREFIX, check_request_args
-from sparseety.integrations.vllm.strict_values import BadValue
+from sparseety.integrations.vllm.transport.values import BadValue
 
 log = logging.getLogger("sparseety.vllm")
 HOOK, HOOK_JSON = "request-args", "request-args-json"

@@ -29,11 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm import adapter
+from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.evict.ledger import EvictionLedger, refused_record
 from sparseety.integrations.vllm.evict.settings import POLICY_ARG, EvictionSettings
-from sparseety.integrations.vllm.hooks import guarded
-from sparseety.integrations.vllm.strict_values import clipped
+from sparseety.integrations.vllm.vllm_api.guards import guarded
+from sparseety.integrations.vllm.transport.values import clipped
 
 log = logging.getLogger("sparseety.vllm")
 HOOK = "kv-eviction"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm.strict_values import BadValue, clipped, decimal_int, decimal_number, is_blank, shown
+from sparseety.integrations.vllm.transport.values import BadValue, clipped, decimal_int, decimal_number, is_blank, shown
 
 POLICY_ARG, BUDGET_ARG, RATIO_ARG, OPTS_ARG = "sparseety_policy", "sparseety_budget", "sparseety_ratio", \
     "sparseety_policy_opts"  #: the per-request ``vllm_xargs``

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sparseety.integrations.vllm import adapter
+from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.evict.compaction import BlockLayout, compact, probe_layout, read_slots, slot_index
 from sparseety.integrations.vllm.evict.ledger import Compaction
 from sparseety.integrations.vllm.evict.settings import EvictionSettings, checkpoint_model
@@ -33,7 +33,7 @@ log = logging.getLogger("sparseety.vllm")
 
 def _tracing() -> bool:
     """Whether evicted slots are recorded: a trace store at tier 1 or more (the observer's settings)."""
-    from sparseety.integrations.vllm.settings import parse_settings
+    from sparseety.integrations.vllm.transport.settings import parse_settings
 
     settings = parse_settings()
     return bool(settings.trace_dir) and not settings.problems and settings.tier >= 1

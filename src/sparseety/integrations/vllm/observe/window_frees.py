@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.messages import KVGroup
+from sparseety.integrations.vllm.vllm_api import adapter
+from sparseety.integrations.vllm.vllm_api.messages import KVGroup
 
 
 @dataclass

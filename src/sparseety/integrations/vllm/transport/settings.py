@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm.strict_values import decimal_int, decimal_number, shown
+from sparseety.integrations.vllm.transport.values import decimal_int, decimal_number, shown
 
 TIERS = (1, 2, 3)  #: 3: sampled requests also store per-step importance (``step_importance``)
 MAX_QUEUE = 1_000_000

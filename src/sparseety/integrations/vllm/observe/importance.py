@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm.channels import importance_channel
-from sparseety.integrations.vllm.strict_values import decimal_number, shown
+from sparseety.integrations.vllm.transport.channels import importance_channel
+from sparseety.integrations.vllm.transport.values import decimal_number, shown
 
 log = logging.getLogger("sparseety.vllm")
 WAIT_ENV = "SPARSEETY_IMPORTANCE_WAIT_S"
@@ -200,7 +200,7 @@ def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_
 
     from sparseety.engine.importance import important_tokens
     from sparseety.extract.scoring import find_sinks
-    from sparseety.integrations.vllm.record import EventGroup
+    from sparseety.integrations.vllm.transport.record import EventGroup
 
     prompt_len, n_out = len(run.prompt_ids), len(run.output_ids)
     seen = prompt_len + max(n_out, 1) - 1

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from sparseety.integrations.vllm.kv_events import (
+from sparseety.integrations.vllm.observe.kv_events import (
     KVChange,
     KVEventSubscriber,
     RankedBlockIndex,
@@ -23,8 +23,8 @@ from sparseety.integrations.vllm.kv_events import (
     rank_endpoint,
     subscriber_endpoint,
 )
-from sparseety.integrations.vllm.record import KV_POLICY, EventGroup, VllmRun
-from sparseety.integrations.vllm.sink import TraceSink
+from sparseety.integrations.vllm.transport.record import KV_POLICY, EventGroup, VllmRun
+from sparseety.integrations.vllm.transport.sink import TraceSink
 
 log = logging.getLogger("sparseety.vllm")
 KV_WINDOW_S = 1.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 
-from sparseety.integrations.vllm.strict_values import clipped
+from sparseety.integrations.vllm.transport.values import clipped
 
 #: read inside vLLM (docs/vllm.md)
 VLLM_VARIABLES = (

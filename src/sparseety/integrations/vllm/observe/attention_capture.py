@@ -56,16 +56,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
+
 
 log = logging.getLogger("sparseety.vllm")
 TIER_ARG = "sparseety_tier"
 MODE_ARG = "sparseety_importance"
 MODES = ("value", "attention", "output")  #: ``learned`` (per-head weights) is not captured inside vLLM yet
 IMPORTANCE_ENV = "SPARSEETY_IMPORTANCE"
-_LAYER_NUMBER = re.compile(r"\.(\d+)\.")
 
 
 def parse_mode(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
@@ -81,21 +80,6 @@ def parse_mode(env: Mapping[str, str] | None = None) -> tuple[str | None, str | 
         return value, None
     return None, (f"sparseety: {IMPORTANCE_ENV}={raw!r} is not one of {', '.join((*MODES, 'off'))}; "
                   "important tokens of vLLM requests are off")
-
-
-def external_id(internal_id: str) -> str:
-    """The id the client knows (the one the store and its sampling use): vLLM appends ``-`` and 8
-    random characters to it unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set."""
-    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "").strip() not in ("", "0"):
-        return internal_id
-    head, sep, tail = internal_id.rpartition("-")
-    return head if sep and len(tail) == 8 else internal_id
-
-
-def layer_number(name: str) -> int | None:
-    """The first ``.<n>.`` of a layer's name (``model.layers.3.self_attn.attn`` -> 3)."""
-    match = _LAYER_NUMBER.search(name + ".")
-    return int(match.group(1)) if match else None
 
 
 # -- one sampled request ---------------------------------------------------------------------------------

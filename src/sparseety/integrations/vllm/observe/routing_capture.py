@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.attention_capture import TIER_ARG, external_id, layer_number
-from sparseety.integrations.vllm.channels import routing_channel
-from sparseety.integrations.vllm.hooks import guarded
+from sparseety.integrations.vllm.vllm_api import adapter
+from sparseety.integrations.vllm.observe.attention_capture import TIER_ARG
+from sparseety.integrations.vllm.vllm_api.ids import external_id, layer_number
+from sparseety.integrations.vllm.transport.channels import routing_channel
+from sparseety.integrations.vllm.vllm_api.guards import guarded
 
 log = logging.getLogger("sparseety.vllm")
 HOOK = "moe-routing"
@@ -94,7 +95,7 @@ class RoutingCapture:
     """The worker's routing state: MoE layers, sampling decisions, the step plan, per-request counts."""
 
     def __init__(self) -> None:
-        from sparseety.integrations.vllm.settings import parse_settings
+        from sparseety.integrations.vllm.transport.settings import parse_settings
 
         settings = parse_settings()
         self.trace = bool(settings.trace_dir) and not settings.problems and settings.tier >= 2
@@ -122,7 +123,7 @@ class RoutingCapture:
             if self._sender_tried or not self.channel:
                 return
             self._sender_tried = True
-            from sparseety.integrations.vllm.worker_hooks import _Sender
+            from sparseety.integrations.vllm.observe.worker_hooks import _Sender
 
             self._sender = _Sender(routing_channel(self.channel))
         self._sender.send(message)

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from sparseety.integrations.vllm.channels import routing_channel
-from sparseety.integrations.vllm.metrics import P
-from sparseety.integrations.vllm.record import VllmRun
+from sparseety.integrations.vllm.transport.channels import routing_channel
+from sparseety.integrations.vllm.transport.metrics import P
+from sparseety.integrations.vllm.transport.record import VllmRun
 
 log = logging.getLogger("sparseety.vllm")
 
@@ -79,7 +79,7 @@ def routing_expected(model_path: str | None) -> bool:
     (an API server other than 0 hears it only with its first forwarded request)."""
     import json
 
-    from sparseety.integrations.vllm.routing_capture import routing_on
+    from sparseety.integrations.vllm.observe.routing_capture import routing_on
 
     if not model_path or not routing_on():
         return False
@@ -155,7 +155,7 @@ class RoutingConsumer:
         import msgspec
         import zmq
 
-        from sparseety.integrations.vllm.importance_consumer import client_channel_of
+        from sparseety.integrations.vllm.observe.importance_consumer import client_channel_of
 
         sock = self._forward.get(client)
         messages = [["route", {**body, "counted": True}]]
@@ -210,7 +210,7 @@ class RoutingConsumer:
     # -- the finisher's side ---------------------------------------------------------------------------------
     def pending(self, internal_id: str, finished_at: float, now: float | None = None) -> bool:
         """True while the model is MoE and ``internal_id``'s result may still come (at most :func:`.importance.wait_s`)."""
-        from sparseety.integrations.vllm.importance import wait_s
+        from sparseety.integrations.vllm.observe.importance import wait_s
 
         now = time.monotonic() if now is None else now
         if (self.moe is None and not self.expected) or now - finished_at >= wait_s():

@@ -17,10 +17,10 @@ import logging
 import os
 from typing import Any
 
-from sparseety.integrations.vllm.channels import CHANNEL_ENV, client_channel, importance_channel
-from sparseety.integrations.vllm.messages import FinishedRequest
-from sparseety.integrations.vllm.record import VllmRun
-from sparseety.integrations.vllm.scheduler_consumer import RequestTable
+from sparseety.integrations.vllm.transport.channels import CHANNEL_ENV, client_channel, importance_channel
+from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest
+from sparseety.integrations.vllm.transport.record import VllmRun
+from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable
 
 log = logging.getLogger("sparseety.vllm")
 
@@ -44,7 +44,7 @@ class ImportanceConsumer:
     def pending(self, c: FinishedRequest, now: float, *, sampled: bool) -> bool:
         """True while the worker captured ``c`` and its result may still come (at most :func:`.importance.wait_s`).
         ``sampled``: whether the store keeps ``c`` above tier 1 (the worker's sampling)."""
-        from sparseety.integrations.vllm.importance import wait_s
+        from sparseety.integrations.vllm.observe.importance import wait_s
 
         inbox = self.inbox
         if inbox is None or now - c.finished_at >= wait_s():
@@ -95,7 +95,7 @@ class ImportanceConsumer:
         """Put ``c``'s important tokens into ``run``; the ``importance`` section of its ``vllm`` info."""
         if self.inbox is None:
             return {"status": "off"}
-        from sparseety.integrations.vllm.importance import attach
+        from sparseety.integrations.vllm.observe.importance import attach
 
         started, result = self.inbox.take(c.internal_id)
         try:
@@ -114,7 +114,7 @@ def _inbox(channel: str | None) -> Any:
     if not channel:
         return None
     try:
-        from sparseety.integrations.vllm.importance import ImportanceInbox
+        from sparseety.integrations.vllm.observe.importance import ImportanceInbox
 
         return ImportanceInbox(channel)
     except Exception:

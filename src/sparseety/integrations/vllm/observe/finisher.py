@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from sparseety.integrations.vllm.importance_consumer import ImportanceConsumer
-from sparseety.integrations.vllm.kv_consumer import KVConsumer
-from sparseety.integrations.vllm.kv_events import hash_text
-from sparseety.integrations.vllm.messages import FinishedRequest
-from sparseety.integrations.vllm.record import EventGroup, VllmRun, draft_arrays, draft_identity_arrays, kept_after
-from sparseety.integrations.vllm.scheduler_consumer import RequestTable
-from sparseety.integrations.vllm.sink import TraceSink, engine_label
-from sparseety.integrations.vllm.window_rows import freed, layer_windows, window_events
+from sparseety.integrations.vllm.observe.importance_consumer import ImportanceConsumer
+from sparseety.integrations.vllm.observe.kv_consumer import KVConsumer
+from sparseety.integrations.vllm.observe.kv_events import hash_text
+from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest
+from sparseety.integrations.vllm.transport.record import EventGroup, VllmRun, draft_arrays, draft_identity_arrays, kept_after
+from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable
+from sparseety.integrations.vllm.transport.sink import TraceSink, engine_label
+from sparseety.integrations.vllm.observe.window_rows import freed, layer_windows, window_events
 
 log = logging.getLogger("sparseety.vllm")
 

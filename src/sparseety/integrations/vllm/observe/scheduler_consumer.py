@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from sparseety.integrations.vllm.messages import KVGroup
+from sparseety.integrations.vllm.vllm_api.messages import KVGroup
 
 log = logging.getLogger("sparseety.vllm")
 

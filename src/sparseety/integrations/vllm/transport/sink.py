@@ -12,9 +12,9 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from sparseety.integrations.vllm.metrics import metrics
-from sparseety.integrations.vllm.record import ENGINE, VllmRun
-from sparseety.integrations.vllm.settings import Settings
+from sparseety.integrations.vllm.transport.metrics import metrics
+from sparseety.integrations.vllm.transport.record import ENGINE, VllmRun
+from sparseety.integrations.vllm.transport.settings import Settings
 
 log = logging.getLogger("sparseety.vllm")
 

@@ -18,21 +18,20 @@ import os
 from typing import Any
 
 from sparseety.errors import ConfigError
-from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.attention_capture import (
+from sparseety.integrations.vllm.vllm_api import adapter
+from sparseety.integrations.vllm.observe.attention_capture import (
     MODE_ARG,
     MODES,
     TIER_ARG,
     RequestCapture,
     SharedBlocks,
-    external_id,
-    layer_number,
     parse_mode,
 )
-from sparseety.integrations.vllm.channels import importance_channel
-from sparseety.integrations.vllm.hooks import guarded
-from sparseety.integrations.vllm.messages import ImplShape
-from sparseety.integrations.vllm.strict_values import decimal_int
+from sparseety.integrations.vllm.transport.channels import importance_channel
+from sparseety.integrations.vllm.vllm_api.guards import guarded
+from sparseety.integrations.vllm.vllm_api.ids import external_id, layer_number
+from sparseety.integrations.vllm.vllm_api.messages import ImplShape
+from sparseety.integrations.vllm.transport.values import decimal_int
 
 log = logging.getLogger("sparseety.vllm")
 HOOK_ROWS = "importance-rows"
@@ -68,7 +67,7 @@ class WorkerCapture:
     """The worker process's capture: sampling decisions, the request captures, the step plan, the sender."""
 
     def __init__(self) -> None:
-        from sparseety.integrations.vllm.settings import parse_settings
+        from sparseety.integrations.vllm.transport.settings import parse_settings
 
         settings = parse_settings()
         mode, problem = parse_mode()

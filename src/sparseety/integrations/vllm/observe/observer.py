@@ -53,15 +53,15 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.finisher import Finisher
-from sparseety.integrations.vllm.importance_consumer import ImportanceConsumer, client_channel_of
-from sparseety.integrations.vllm.kv_consumer import KVConsumer
-from sparseety.integrations.vllm.messages import FinishedRequest, FinishedStats
-from sparseety.integrations.vllm.routing_consumer import RoutingConsumer, routing_expected
-from sparseety.integrations.vllm.scheduler_consumer import RequestTable, SchedulerConsumer
-from sparseety.integrations.vllm.settings import Settings, parse_settings
-from sparseety.integrations.vllm.sink import TraceSink, engine_label
+from sparseety.integrations.vllm.vllm_api import adapter
+from sparseety.integrations.vllm.observe.finisher import Finisher
+from sparseety.integrations.vllm.observe.importance_consumer import ImportanceConsumer, client_channel_of
+from sparseety.integrations.vllm.observe.kv_consumer import KVConsumer
+from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest, FinishedStats
+from sparseety.integrations.vllm.observe.routing_consumer import RoutingConsumer, routing_expected
+from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable, SchedulerConsumer
+from sparseety.integrations.vllm.transport.settings import Settings, parse_settings
+from sparseety.integrations.vllm.transport.sink import TraceSink, engine_label
 
 log = logging.getLogger("sparseety.vllm")
 CAPTURE_WAIT_S = 0.25  #: a finished request waits this long for its blocks' KV events before it is joined

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from sparseety.integrations.vllm.messages import KVGroup
-from sparseety.integrations.vllm.record import EventGroup
+from sparseety.integrations.vllm.vllm_api.messages import KVGroup
+from sparseety.integrations.vllm.transport.record import EventGroup
 
 
 def layer_windows(groups: list[KVGroup]) -> dict[int, int]:

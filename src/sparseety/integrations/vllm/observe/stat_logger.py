@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sparseety.integrations.vllm import adapter
-from sparseety.integrations.vllm.hooks import guarded, vllm_version
+from sparseety.integrations.vllm.vllm_api import adapter
+from sparseety.integrations.vllm.vllm_api.guards import guarded, vllm_version
 
 log = logging.getLogger("sparseety.vllm")
 StatLoggerBase = adapter.stat_logger_base()  # vLLM skips a stat-logger plugin that fails to load, and serves on
@@ -46,7 +46,7 @@ class SparseetyStatLogger(StatLoggerBase):
             guarded("stat-logger", self._configure, vllm_config)
 
     def _configure(self, vllm_config: Any) -> None:
-        from sparseety.integrations.vllm.observer import observer
+        from sparseety.integrations.vllm.observe.observer import observer
 
         served = adapter.served_config(vllm_config, kv_events=KV_EVENTS_OK)
         obs = observer(client=served.api_server)
