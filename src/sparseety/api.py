@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 from sparseety.engine import EncodedInput, RunResult, SparseEngine, encode_prompt
-from sparseety.errors import ConfigError, InputError, shown
+from sparseety.errors import InputError, shown
 from sparseety.models.registry import DEFAULT_MODEL, load_model
 from sparseety.options import GenerationOptions, options_from
 from sparseety.schema import TokenRecord
@@ -76,24 +76,12 @@ def _check_load(model: Any, dtype: Any, device: Any) -> None:
     except (RuntimeError, ValueError):
         raise InputError(f"device must be a device name such as 'cpu' or 'cuda:0', got {shown(device)}") from None
     if kind.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {device!r}: this machine has no CUDA device")
+        raise InputError(f"device {shown(device)}: this machine has no CUDA device")
+    if kind.type == "cuda" and (kind.index or 0) >= torch.cuda.device_count():
+        raise InputError(f"device {shown(device)}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if kind.type not in ("cpu", "cuda"):
-        raise InputError(f"device {device!r}: SparSEEty runs on cpu or cuda")
-
-
-def _options(options: GenerationOptions | None, fields: dict[str, Any]) -> GenerationOptions:
-    """The options, every refusal an :class:`InputError` naming the field (a policy's own refusal too)."""
-    if options is not None and not isinstance(options, GenerationOptions):
-        raise InputError(f"options must be a GenerationOptions or None, got {shown(options)}")
-    try:
-        built = options_from(options, **fields)
-    except ConfigError as exc:  # the policy registry's refusal (an unknown policy, a budget it cannot hold)
-        field = "budget" if "budget" in fields or "ratio" in fields else "policy"
-        raise InputError(f"{field}: {exc}") from None
-    if built.policy == "dense" and (built.budget is not None or built.ratio is not None):
-        raise InputError("budget/ratio: policy 'dense' keeps every token, so it takes no budget or ratio "
-                         f"(got budget={built.budget!r}, ratio={built.ratio!r})")
-    return built
+        raise InputError(f"device {shown(device)}: SparSEEty runs on cpu or cuda")
 
 
 def _check_chat(chat: Any) -> None:
@@ -139,15 +127,14 @@ class Model:
         A :class:`Generation`, or one per prompt, in order.
         """
         _check_chat(chat)
-        if not isinstance(prompt, (str, list, tuple)):
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else []
+        if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InputError(f"prompt must be a text or a non-empty list of texts, got {shown(prompt)}")
-        options = _options(options, fields)
+        options = options_from(options, **fields)
         if isinstance(prompt, str):
             encoded = self._encode(prompt, chat)
-            return Generation(self.engine.generate(encoded, None, options), options, prompt, chat, self)
-        prompts = list(prompt)
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise InputError("prompt must be a text or a non-empty list of texts")
+            policy = options.policy_for(encoded.compress_len or encoded.input_len)
+            return Generation(self.engine.generate(encoded, policy, options), options, prompt, chat, self)
         if options.speculative is not None:
             raise InputError("speculative decoding runs one sequence at a time: generate each prompt on its own")
         encoded = [self._encode(p, chat) for p in prompts]
@@ -164,8 +151,8 @@ class Model:
         _check_chat(chat)
         if not isinstance(prompt, str):
             raise InputError(f"prompt must be a text, got {shown(prompt)}")
-        return compare(self.engine, self._encode(prompt, chat), None, _options(options, fields),
-                       embeddings=embeddings)
+        options = options_from(options, **fields)
+        return compare(self.engine, self._encode(prompt, chat), None, options, embeddings=embeddings)
 
     def _encode(self, prompt: str, chat: bool | None) -> EncodedInput:
         return encode_prompt(self.engine.tokenizer, prompt, chat)

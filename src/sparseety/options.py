@@ -6,6 +6,9 @@ request body) and the Python API (:meth:`sparseety.engine.SparseEngine.generate`
 :func:`sparseety.load`). The engine receives it whole. It is validated once, here, in
 ``__post_init__``; what needs the model (layer numbers against its depth, a ``default`` pruning
 schedule, learned head weights against its fingerprint) is checked by the engine when the run starts.
+Every refusal is an :class:`OptionError` (an ``InputError``) naming its field, a refusal of the policy
+registry or the pruning-schedule parser too (:class:`OptionRefusal`, which stays the ``ConfigError`` they
+raise). A number is an ``int`` or ``float`` that is not a ``bool`` (:func:`is_int`, :func:`is_number`).
 
 This module sits on the ground floor: it imports nothing from the engine, the CLI or the server, and no
 torch at import time, so the CLI reads its defaults without loading a model stack.
@@ -13,12 +16,13 @@ torch at import time, so the CLI reads its defaults without loading a model stac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparseety.errors import InputError
+from sparseety.errors import ConfigError, InputError
 from sparseety.errors import shown as _shown
 
 if TYPE_CHECKING:
@@ -49,6 +53,44 @@ class OptionError(InputError, ValueError):
     def flag_error(self) -> InputError:
         """The same refusal naming the flag (``--importance must be one of ...``)."""
         return InputError(f"{flag_of(self.field)} {self.problem}")
+
+
+class OptionRefusal(OptionError, ConfigError):
+    """A value refused by the check a field is handed to (the policy registry, the pruning-schedule parser, the
+    engine's checks against the model), with ``field`` set to the field it came in. Its message is that check's
+    own, which names the value already (``budget must be a positive integer, got 0``, ``streaming: unknown option
+    'bogus'``), so every door says the same; an :class:`OptionError` (an ``InputError``) like every refused
+    option, and still the ``ConfigError`` the check raised, for code that catches that."""
+
+    def __init__(self, field: str, refusal: ConfigError) -> None:
+        InputError.__init__(self, str(refusal))
+        self.field, self.problem = field, str(refusal)
+
+    def flag_error(self) -> InputError:
+        """The message names the flag already where it names one (``policy 'h2o' needs --budget N``)."""
+        return self
+
+
+@contextlib.contextmanager
+def refused(field: str) -> Iterator[None]:
+    """Inside the block, a :class:`ConfigError` that is not already an :class:`OptionError` is re-raised as
+    the :class:`OptionRefusal` of ``field``."""
+    try:
+        yield
+    except OptionError:
+        raise
+    except ConfigError as exc:
+        raise OptionRefusal(field, exc) from None
+
+
+def is_int(value: Any) -> bool:
+    """A whole number: an ``int`` that is not a ``bool`` (``True`` is no budget, ``"16"`` no number)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An ``int`` or a ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def flag_of(field: str) -> str:
@@ -110,9 +152,9 @@ class GenerationOptions:
         object.__setattr__(self, "prune_opts", MappingProxyType(dict(self.prune_opts)))
         if self.budget is not None:
             _whole(self.budget, "budget")
-        if self.ratio is not None and (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))):
+        if self.ratio is not None and not is_number(self.ratio):
             raise OptionError("ratio", f"must be a number in [0, 1), got {_shown(self.ratio)}")
-        if isinstance(self.min_score, bool) or not isinstance(self.min_score, (int, float)):
+        if not is_number(self.min_score):
             raise OptionError("min_score", f"must be a number in [0, 1), got {_shown(self.min_score)}")
         if self.importance not in IMPORTANCE_MODES:
             raise OptionError("importance", f"must be one of {', '.join(IMPORTANCE_MODES)}, got {self.importance!r}")
@@ -139,14 +181,41 @@ class GenerationOptions:
         self._check_prune()
 
     def _check_policy(self) -> None:
-        from sparseety.policies.registry import build_policy, resolve_budget
+        """The registry's checks, in its order, each refusal naming the field it is about."""
+        from sparseety.policies.base import BudgetTooSmall
+        from sparseety.policies.registry import build_policy, get_policy_class, policy_kwargs, resolve_budget
 
-        # both budget and ratio are refused there; a ratio is checked against a large context; the real budget comes from the input (policy_for)
-        build_policy(self.policy, resolve_budget(self.budget, self.ratio, 1 << 20), dict(self.policy_opts))
+        with refused("policy"):
+            cls = get_policy_class(self.policy)
+        with refused("policy_opts"):
+            options = policy_kwargs(self.policy, dict(self.policy_opts))
+        sized = self._sized_by()
+        # both refused; a ratio is checked against a large context, the real budget comes from the input (policy_for)
+        with refused(sized):
+            budget = resolve_budget(self.budget, self.ratio, 1 << 20)
+        try:
+            build_policy(self.policy, budget, options)
+        except BudgetTooSmall as exc:
+            raise OptionRefusal(sized, exc) from None
+        except ConfigError as exc:  # a missing budget, or the policy's own check of its options against the budget
+            missing = budget is None and cls.needs_budget(options)
+            raise OptionRefusal(sized if missing or not options else "policy_opts", exc) from None
+
+    def _sized_by(self) -> str:
+        """The field that sizes the policy: ``ratio`` when only a ratio is given, else ``budget``."""
+        return "ratio" if self.ratio is not None and self.budget is None else "budget"
 
     def _check_prune(self) -> None:
-        if isinstance(self.prune, str):
-            self.prune_schedule()  # the schedule's syntax; its layers are checked against the model at the run
+        from sparseety.prune_schedule import PruneSchedule, parse_prune_schedule
+
+        if isinstance(self.prune, str):  # its syntax, then its options; its layers are checked against the model
+            with refused("prune"):
+                parse_prune_schedule(self.prune)
+            with refused("prune_opts"):
+                parse_prune_schedule(self.prune, dict(self.prune_opts))
+        elif self.prune is not None and not isinstance(self.prune, PruneSchedule):
+            raise OptionError("prune", f"must be a schedule such as '8:0.3,16:0.5' or 'default', a PruneSchedule or "
+                                       f"None, got {_shown(self.prune)}")
         elif self.prune_opts:
             raise OptionError("prune_opts", "need a pruning schedule given as text (prune)")
 
@@ -155,10 +224,20 @@ class GenerationOptions:
         return dataclasses.replace(self, **changes) if changes else self
 
     def policy_for(self, context_len: int) -> Policy:
-        """The policy with its budget resolved on ``context_len`` tokens (what ``ratio`` removes from)."""
+        """The policy with its budget resolved on ``context_len`` tokens (what ``ratio`` removes from).
+
+        ``dense`` with a budget or ratio is refused here, where the options build their own policy (the Python
+        API, batch lines): dense keeps every token, and the run would report a budget it never applied. (The
+        command line and the server build their policy themselves; the server's budget is also the default of
+        requests that name another policy.)"""
         from sparseety.policies.registry import sized_policy
 
-        return sized_policy(self.policy, self.budget, self.ratio, context_len, dict(self.policy_opts))
+        sized = self._sized_by()
+        if self.policy == "dense" and (self.budget is not None or self.ratio is not None):
+            raise OptionError(sized, f"{_shown(getattr(self, sized))} is refused: policy 'dense' keeps every token, "
+                                     "so it takes no budget or ratio")
+        with refused(sized):  # a ratio that leaves fewer slots than the policy must hold
+            return sized_policy(self.policy, self.budget, self.ratio, context_len, dict(self.policy_opts))
 
     def prune_schedule(self, num_layers: int = 30) -> PruneSchedule | None:
         """The pruning schedule (text, ``default`` included, resolved against ``num_layers``), or None."""
@@ -166,7 +245,8 @@ class GenerationOptions:
             return self.prune
         from sparseety.prune_schedule import parse_prune_schedule
 
-        return parse_prune_schedule(self.prune, dict(self.prune_opts), num_layers)
+        with refused("prune"):  # ``default`` resolved against the model's depth
+            return parse_prune_schedule(self.prune, dict(self.prune_opts), num_layers)
 
 
 def default_of(field: str) -> Any:
@@ -179,6 +259,8 @@ def default_of(field: str) -> Any:
 
 def options_from(options: GenerationOptions | None = None, **fields: Any) -> GenerationOptions:
     """``options`` (default: all defaults) with ``fields`` set; unknown field names are refused by name."""
+    if options is not None and not isinstance(options, GenerationOptions):
+        raise InputError(f"options must be a GenerationOptions or None, got {_shown(options)}")
     unknown = sorted(set(fields) - set(GenerationOptions.__dataclass_fields__))
     if unknown:
         raise InputError(f"unknown generation option(s) {', '.join(map(repr, unknown))}; known: "
@@ -187,7 +269,6 @@ def options_from(options: GenerationOptions | None = None, **fields: Any) -> Gen
 
 
 def _whole(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise OptionError(field, f"must be a whole number, got {_shown(value)}")
     return value
-

@@ -133,3 +133,15 @@ def test_one_check_names_the_field_or_the_flag():
         DEFAULTS.tier = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         DEFAULTS.policy_opts["window"] = 4  # type: ignore[index]
+
+
+def test_a_dense_batch_line_takes_no_budget_from_the_flags():
+    """``dense`` with a budget is refused where the options build their own policy (a batch line, the Python API):
+    a dense line does not inherit the flags' budget; one that gives its own is refused alone."""
+    flags = GenerationOptions(policy="streaming", budget=16)
+    dense = line_options(BatchLine(prompt="hi", policy="dense"), flags)
+    assert (dense.policy, dense.budget, dense.ratio) == ("dense", None, None)
+    assert dense.policy_for(10).budget is None
+    assert line_options(BatchLine(prompt="hi"), flags).budget == 16  # the flags' policy keeps the flags' budget
+    with pytest.raises(OptionError, match="^budget 8 is refused: policy 'dense' keeps every token"):
+        line_options(BatchLine(prompt="hi", policy="dense", budget=8), flags).policy_for(10)

@@ -110,10 +110,11 @@ def _problem(err: dict[str, Any]) -> str:
 
 def line_options(line: BatchLine, defaults: GenerationOptions) -> GenerationOptions:
     """The options of one line: ``defaults`` (the command's flags) with the line's ``policy``, ``budget`` or
-    ``ratio`` (a budget or ratio on the line replaces both of the flags') and ``max_new_tokens``."""
+    ``ratio`` (a budget or ratio on the line replaces both of the flags'; a ``dense`` line takes none of the
+    flags', and is refused with one of its own) and ``max_new_tokens``."""
     changes: dict[str, Any] = {"policy": line.policy or defaults.policy,
                                "max_new_tokens": line.max_new_tokens or defaults.max_new_tokens}
-    if line.budget is not None or line.ratio is not None:
+    if line.budget is not None or line.ratio is not None or changes["policy"] == "dense":
         changes.update(budget=line.budget, ratio=line.ratio)
     return defaults.replace(**changes)
 

@@ -1,8 +1,10 @@
 """The checks of a run's inputs against the model and the policy, made before a request runs or joins a batch.
 
 Everything here raises :class:`~sparseety.errors.InputError` (the request asks for something this
-model or policy cannot do) or :class:`~sparseety.errors.ConfigError` (two settings that cannot be
-combined), naming the option; nothing touches the model's weights or the cache.
+model or policy cannot do) naming the option; a refusal of two settings that cannot be combined, or of a
+layer list or schedule this model does not have, is an :class:`~sparseety.options.OptionRefusal`: an
+``InputError`` that stays the :class:`~sparseety.errors.ConfigError` it was. Nothing touches the model's
+weights or the cache.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from sparseety.engine.inputs import EncodedInput
 from sparseety.engine.layers import parse_layers
 from sparseety.errors import ConfigError, InputError
-from sparseety.options import GenerationOptions
+from sparseety.options import GenerationOptions, refused
 from sparseety.policies.base import ModelInfo, Policy
 
 
@@ -23,16 +25,19 @@ def check_request(model: ModelInfo, max_positions: int | None, encoded: EncodedI
     trained for another model), so a request that cannot run is refused alone, at once.
     """
     num_layers = model.num_layers
-    policy.bind(model)
-    parse_layers(options.layers, num_layers)
+    with refused("policy_opts"):  # a learned policy without its predictor file, or one trained for another model
+        policy.bind(model)
+    with refused("layers"):
+        parse_layers(options.layers, num_layers)
     prune = options.prune_schedule(num_layers)
-    if prune is not None:
-        prune.check_layers(num_layers)
-        prune.check_prompt(encoded.compress_len or encoded.input_len)
+    with refused("prune"):
+        if prune is not None:
+            prune.check_layers(num_layers)
+            prune.check_prompt(encoded.compress_len or encoded.input_len)
+        if policy.reconstructs and prune is not None:
+            raise ConfigError(f"policy {policy.name!r} cannot be combined with token pruning: its reconstruction pass "
+                              "scores every slot of the region it compresses")
     check_topk(policy, options.attention_topk)
-    if policy.reconstructs and prune is not None:
-        raise ConfigError(f"policy {policy.name!r} cannot be combined with token pruning: its reconstruction pass "
-                          "scores every slot of the region it compresses")
     if max_positions and encoded.input_len + options.max_new_tokens > max_positions:
         raise InputError(
             f"the prompt ({encoded.input_len} tokens) plus max_new_tokens ({options.max_new_tokens}) exceeds "

@@ -38,7 +38,7 @@ from sparseety.engine.settings import RunSettings
 from sparseety.engine.window import layer_windows
 from sparseety.errors import InputError, shown
 from sparseety.fingerprint import model_fingerprint
-from sparseety.options import GenerationOptions, options_from
+from sparseety.options import GenerationOptions, is_int, options_from, refused
 from sparseety.policies.base import ModelInfo, Policy
 
 
@@ -82,8 +82,8 @@ class SparseEngine:
 
     def generate(
         self,
-        encoded: EncodedInput | str,
-        policy: Policy | None = None,
+        encoded: EncodedInput | str | Sequence[int] | torch.Tensor,
+        policy: Policy | str | None = None,
         options: GenerationOptions | None = None,
         *,
         request_id: str | None = None,
@@ -95,9 +95,10 @@ class SparseEngine:
 
         Parameters
         ----------
-        encoded : token ids (``compress_len`` set selects the long-document protocol), or prompt text (encoded
-            with the chat template on chat models).
-        policy : KV policy with its budget resolved; None builds the options' policy on this input.
+        encoded : token ids (a list of ints, a ``[n]`` or ``[1, n]`` integer tensor, or an :class:`EncodedInput`,
+            whose ``compress_len`` selects the long-document protocol), or prompt text (encoded with the chat
+            template on chat models); see :meth:`encoded`.
+        policy : KV policy with its budget resolved, or a policy name; None builds the options' policy on this input.
         options : a :class:`~sparseety.options.GenerationOptions` (None: every default).
         request_id : the run's id (None: a random one).
         on_prefill_layer : called with ``(layer, num_layers)`` as prefill passes each layer.
@@ -110,12 +111,16 @@ class SparseEngine:
         encoded = self.encoded(encoded)
         if isinstance(policy, str):  # generate(prompt, "snapkv", budget=64)
             fields["policy"], policy = policy, None
+        elif policy is not None and not isinstance(policy, Policy):
+            raise InputError(f"policy must be a policy name (sparseety policies list), a Policy or None, got "
+                             f"{shown(policy)}")
         options = options_from(options, **fields)
         if policy is None:
             policy = options.policy_for(encoded.compress_len or encoded.input_len)
         speculative, max_new_tokens = options.speculative, options.max_new_tokens
         if speculative is not None:
-            check_speculative(speculative, encoded, policy, self.num_layers)
+            with refused("speculative"):
+                check_speculative(speculative, encoded, policy, self.num_layers)
         self.check_request(encoded, policy, options)
         input_ids = encoded.input_ids
         with self.open_run(encoded, policy, options, on_prefill_layer=on_prefill_layer) as ctx:
@@ -178,7 +183,7 @@ class SparseEngine:
         one_row = isinstance(given, torch.Tensor) and (given.dim() == 1 or given.dim() == 2 and given.shape[0] == 1)
         if one_row and not (given.is_floating_point() or given.is_complex() or given.dtype == torch.bool):
             ids = given.reshape(1, -1).to(torch.long)
-        elif isinstance(given, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in given):
+        elif isinstance(given, (list, tuple)) and all(is_int(t) for t in given):
             ids = torch.tensor([list(given)], dtype=torch.long)
         else:
             raise InputError(f"encoded must be text, token ids (a list of ints) or an EncodedInput, got "

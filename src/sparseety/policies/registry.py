@@ -123,16 +123,22 @@ def sized_policy(name: str, budget: int | None, ratio: float | None, context_len
                           f"head, fewer than the {exc.minimum} {name} must hold ({exc.why}); {advice}") from None
 
 
-def build_policy(name: str, budget: int | None = None, options: dict[str, Any] | None = None) -> Policy:
-    """Instantiate a policy with a budget and options (strings are converted to the option's type)."""
-    cls = get_policy_class(name)
-    known = policy_options(cls)
+def policy_kwargs(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``options`` checked against the policy's option names and converted to their types (strings are parsed)."""
+    known = policy_options(get_policy_class(name))
     kwargs: dict[str, Any] = {}
     for key, raw in (options or {}).items():
         if key not in known:
             valid = ", ".join(known) or "none"
             raise ConfigError(f"{name}: unknown option {key!r}; valid options: {valid}")
         kwargs[key] = _coerce(name, key, raw, known[key])
+    return kwargs
+
+
+def build_policy(name: str, budget: int | None = None, options: dict[str, Any] | None = None) -> Policy:
+    """Instantiate a policy with a budget and options (strings are converted to the option's type)."""
+    cls = get_policy_class(name)
+    kwargs = policy_kwargs(name, options)
     if cls.needs_budget(kwargs):
         if budget is None:
             raise ConfigError(f"policy {name!r} needs --budget N or --ratio R")
