@@ -59,10 +59,13 @@ def _patch_finished(cls: Any) -> None:
 
 def _patch_aborted(cls: Any) -> None:
     """``aborted-requests``: a request vLLM drops before it finishes (its client went away, or it was aborted) is
-    recorded with what it produced, ``finish_reason`` ``abort`` (vLLM reports no stats for it)."""
+    recorded with what it produced, ``finish_reason`` ``abort`` (vLLM reports no stats for it). A parent of
+    ``n > 1`` choices is aborted by its internal id, which names no state: vLLM then aborts its children through
+    a call of its own, which this wrapper sees too, so each choice is recorded once."""
     def make(original):
         def abort_requests(self, request_ids, *args, **kwargs):
-            states = guarded("aborted-requests", adapter.aborting, self, list(request_ids)) or []
+            request_ids = list(request_ids)  # an iterable, read twice: here and by vLLM
+            states = guarded("aborted-requests", adapter.aborting, self, request_ids) or []
             result = original(self, request_ids, *args, **kwargs)
             if states:
                 guarded("aborted-requests", _on_aborted, states)

@@ -4,12 +4,24 @@ scheduler, KV events and the worker's importance by request id, and writes each 
 ``docs/vllm.md`` draws the whole data flow. The pieces, each with one job (nothing here waits on vLLM's
 loop, and vLLM's loop never waits on it):
 
-1. :class:`Observer` (here): the frontend's hot path. :mod:`.plugin`'s ``OutputProcessor`` hooks call
-   :meth:`Observer.on_preempted` and :meth:`Observer.on_finished` (the request as a
-   :class:`.messages.FinishedRequest`, read by :mod:`.adapter`), held in a bounded map until
-   :class:`~.stat_logger.SparseetyStatLogger` reports vLLM's ``FinishedRequestStats``
+1. :class:`Observer` (here): the frontend's hot path. :mod:`.frontend_hooks`' ``OutputProcessor`` hooks call
+   :meth:`Observer.on_preempted`, :meth:`Observer.on_finished` and :meth:`Observer.on_aborted` (the request
+   as a :class:`.messages.FinishedRequest`, read by :mod:`.adapter`). A finished request is held in a bounded
+   map until :class:`~.stat_logger.SparseetyStatLogger` reports vLLM's ``FinishedRequestStats``
    (:meth:`Observer.on_finished_stats`: finish reason, cached tokens, preemptions, times); the joined
    request goes on a bounded queue. Its worker thread drains that queue and the KV events.
+
+   Every choice and every request is a row. The ``n`` choices of one completion are ``n`` child requests in
+   vLLM (``<index>_<parent id>``), and their ``FinishedRequestStats`` carry only the id they share (the
+   client's, ``external_req_id``), so the map holds a queue per id: vLLM reports a request's stats in the
+   order its output loop finished them, the order the hook saw them, so the first stats of an id belong to
+   the first of its requests still waiting. An aborted request (its client went away) gets no stats: it is
+   queued at once, with vLLM's own times read from its state. A request whose stats never come is
+   written without them after :data:`STATS_WAIT_S`, and when the map is full the oldest waiting id is
+   written without them at once (both counted in ``unjoined``; stats that come later for it are skipped,
+   never joined to a sibling). Only a full ready queue, a record that cannot be built or one the trace
+   writer drops or fails to write loses a row, and each is counted (:attr:`Observer.dropped_records`,
+   ``sparseety:trace_records_dropped``).
 2. :class:`.scheduler_consumer.SchedulerConsumer` / :class:`.scheduler_consumer.RequestTable`: the engine
    core's per-request records (prefill chunks, draft ids, KV bytes, owners) from the scheduler channel.
 3. :class:`.kv_consumer.KVConsumer`: the KV-event subscriber; metrics, block index, ``vllm-prefix-cache``
@@ -80,12 +92,18 @@ class Observer:
         self.sink = TraceSink(self.settings, client)
         self.writer = self.sink.writer
         self.metrics = self.sink.metrics
-        self.dropped_captures = 0
-        self.unjoined = 0  #: FinishedRequestStats with no request (e.g. dropped) or requests never joined
+        self.unjoined = 0  #: FinishedRequestStats with no request, or requests written without their stats
+        self.failed_records = 0  #: requests lost because their record could not be read or built (an error)
+        self._build_failures = 0  #: of those, records the finisher could not build (the first one is logged)
         self._dropped_ready = 0
         #: join id -> the requests waiting for the stat logger's stats, oldest first
         self._captures: OrderedDict[str, deque[FinishedRequest]] = OrderedDict()
         self._waiting = 0  #: requests in ``_captures``
+        #: join id -> how many of its next stats belong to requests already written without them (bounded)
+        self._skip: OrderedDict[str, int] = OrderedDict()
+        #: guards the map between vLLM's loop (captures, stats) and the worker thread (stats that never came);
+        #: held for a few dictionary operations, never while a record is built
+        self._join_lock = threading.Lock()
         self._ready: deque[FinishedRequest] = deque()  #: joined, waiting for the worker thread
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -103,8 +121,9 @@ class Observer:
 
     @property
     def dropped_records(self) -> int:
-        """Records dropped: the ready queue was full, or the writer refused them."""
-        return self._dropped_ready + self.sink.dropped
+        """Records lost: the ready queue was full, the record could not be built, or the trace writer refused
+        it (its queue was full) or failed to write it."""
+        return self._dropped_ready + self.failed_records + self.sink.dropped + self.sink.failed_records()
 
     # -- set-up from vLLM's config (stat logger) ------------------------------------------------------
     def configure(self, *, model: str, block_size: int | None, kv_endpoint: str | None,
@@ -133,36 +152,52 @@ class Observer:
         adapter.mark_preempted(req_state)
 
     def on_finished(self, req_state: Any, finish_reason: Any) -> None:
-        request = adapter.finished_request(req_state, finish_reason)
+        try:
+            request = adapter.finished_request(req_state, finish_reason)
+        except Exception:
+            self._lost()  # counted, then raised for the hook's guard to log
+            raise
         if self.has_stat_logger:
-            if self._waiting >= self.settings.queue_size:
-                self.dropped_captures += 1
-                self.metrics.trace_dropped.inc()
-                return
-            # the choices of one n > 1 completion share the id vLLM's stats carry, and are reported in this order
-            self._captures.setdefault(request.join_id or request.request_id, deque()).append(request)
-            self._waiting += 1
+            with self._join_lock:
+                if self._waiting >= self.settings.queue_size:
+                    self._write_oldest_unjoined()  # the map is full: the oldest waits no longer, none is lost
+                # the choices of one n > 1 completion share the id vLLM's stats carry, reported in this order
+                self._captures.setdefault(request.join_id or request.request_id, deque()).append(request)
+                self._waiting += 1
         else:
             self._enqueue(request)
         self.start()
 
     def on_aborted(self, req_state: Any) -> None:
-        """A request vLLM dropped unfinished: recorded with what it produced, ``finish_reason`` ``abort``
-        (vLLM reports no stats for it, so it is not held for them)."""
-        self._enqueue(adapter.finished_request(req_state, "abort"))
+        """A request vLLM dropped unfinished (its client went away, or it was aborted): recorded with what it
+        produced, ``finish_reason`` ``abort`` and the times vLLM's state holds (vLLM reports no stats for it,
+        so it is not held for them)."""
+        try:
+            request = adapter.aborted_request(req_state)
+        except Exception:
+            self._lost()
+            raise
+        self._enqueue(request)
         self.start()
 
     def on_finished_stats(self, finished: FinishedStats, engine: int | None = None) -> None:
         """Join vLLM's view of a finished request to the frontend's (stat-logger path); ``engine``: the
         index of the engine whose stat logger reported it (its data-parallel rank)."""
-        waiting = self._captures.get(finished.request_id)
-        if not waiting:
-            self.unjoined += 1
-            return
-        request = waiting.popleft()
-        self._waiting -= 1
-        if not waiting:
-            del self._captures[finished.request_id]
+        key = finished.request_id
+        with self._join_lock:
+            if key in self._skip:  # the stats of a request already written without them: theirs, not a sibling's
+                self._skip[key] -= 1
+                if not self._skip[key]:
+                    del self._skip[key]
+                return
+            waiting = self._captures.get(key)
+            if not waiting:
+                self.unjoined += 1
+                return
+            request = waiting.popleft()
+            self._waiting -= 1
+            if not waiting:
+                del self._captures[key]
         request.engine = engine
         request.finish_reason = finished.finish_reason
         request.num_cached_tokens = finished.num_cached_tokens
@@ -182,6 +217,29 @@ class Observer:
             return
         self._ready.append(request)
 
+    def _lost(self) -> None:
+        """One request whose record cannot be read or built: counted as a dropped record."""
+        self.failed_records += 1
+        self.metrics.trace_dropped.inc()
+
+    def _unjoined(self, key: str, request: FinishedRequest) -> None:
+        """Under ``_join_lock``: write ``request`` (of join id ``key``, taken from the map) without its stats;
+        its stats, if they come, are skipped."""
+        self._waiting -= 1
+        self.unjoined += 1
+        self._skip[key] = self._skip.get(key, 0) + 1
+        self._skip.move_to_end(key)
+        while len(self._skip) > self.settings.queue_size:
+            self._skip.popitem(last=False)
+        self._enqueue(request)
+
+    def _write_oldest_unjoined(self) -> None:
+        """Under ``_join_lock``: the oldest request waiting for its stats is written without them."""
+        key, waiting = next(iter(self._captures.items()))
+        self._unjoined(key, waiting.popleft())
+        if not waiting:
+            del self._captures[key]
+
     # -- worker thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(0.05):
@@ -198,22 +256,32 @@ class Observer:
             self.importance.forward()
         now = time.monotonic()
         while self._ready and (final or self._ripe(self._ready[0], now)):
-            self.finisher.finish(self._ready.popleft())
+            self._finish(self._ready.popleft())
         self.kv.write(final)
+        self.sink.count_failed()
+
+    def _finish(self, request: FinishedRequest) -> None:
+        """Write one record; one that cannot be built is counted (the first failure logged with its traceback),
+        and the requests behind it go on."""
+        try:
+            self.finisher.finish(request)
+        except Exception:
+            self._lost()
+            self._build_failures += 1
+            if self._build_failures == 1:
+                log.exception("sparseety: the record of request %s could not be built; it is dropped and counted "
+                              "in sparseety:trace_records_dropped (later failures are counted, not logged)",
+                              request.request_id)
 
     def _give_up_on_stats(self, before: float | None) -> None:
         """Requests finished before ``before`` (None: all) whose stats never came are recorded without them
         (counted in ``unjoined``), so none is held forever."""
-        while self._captures:
-            key, waiting = next(iter(self._captures.items()))
-            if before is not None and waiting[0].finished_at >= before:
-                return
-            request = waiting.popleft()
-            self._waiting -= 1
-            if not waiting:
-                del self._captures[key]
-            self.unjoined += 1
-            self._enqueue(request)
+        with self._join_lock:
+            while self._captures:
+                waiting = next(iter(self._captures.values()))
+                if before is not None and waiting[0].finished_at >= before:
+                    return
+                self._write_oldest_unjoined()
 
     def _ripe(self, request: FinishedRequest, now: float) -> bool:
         """Old enough for its blocks' KV events, and no importance result still on its way."""
@@ -226,7 +294,7 @@ class Observer:
 
     def stats(self) -> dict[str, Any]:
         return {"captures_waiting": self._waiting, "ready": len(self._ready),
-                "dropped_captures": self.dropped_captures, "dropped_records": self.dropped_records,
+                "dropped_records": self.dropped_records, "failed_records": self.failed_records,
                 "dropped_chunk_requests": self.requests.dropped, "unjoined": self.unjoined, **self.kv.stats()}
 
     def flush(self) -> None:

@@ -64,8 +64,8 @@ class VllmMetrics:
                                         registry=r)
         self.trace_traced = Counter(P + "trace_records_traced", "Trace records handed to the writer.",
                                     registry=r)
-        self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records dropped because a queue "
-                                     "was full.", registry=r)
+        self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records lost: a queue was full, "
+                                     "or the record could not be built or written.", registry=r)
         self.kv_events_dropped = Counter(P + "kv_events_dropped", "KV-cache changes dropped because a queue "
                                          "was full, or lost on the event stream.", registry=r)
 

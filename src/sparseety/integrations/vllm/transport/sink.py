@@ -3,7 +3,8 @@
 :class:`TraceSink` holds the trace writer (None when ``SPARSEETY_TRACE_DIR`` is unset or unusable), the
 ``sparseety:`` metrics, the settings and what the stat logger told about the served model
 (:meth:`TraceSink.configure`). The finisher and the KV consumer submit their :class:`.record.VllmRun`
-rows through it; a row the writer's bounded queue refuses is dropped and counted.
+rows through it; a row the writer's bounded queue refuses is dropped and counted, and so is one the writer
+accepted but could not write (:meth:`TraceSink.count_failed` adds those to ``sparseety:trace_records_dropped``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class TraceSink:
         self.block_size: int | None = None
         self.config: dict[str, Any] = {}
         self.dropped = 0  #: records the writer refused
+        self._failed_counted = 0  #: the writer's failed records already in ``trace_dropped``
         self.writer: Any = None
         if settings.trace_dir:
             try:
@@ -99,6 +101,17 @@ class TraceSink:
             self.dropped += 1
             self.metrics.trace_dropped.inc()
 
+    def failed_records(self) -> int:
+        """Records the writer accepted and lost to a conversion or write error."""
+        return self.writer.stats().failed_records if self.writer is not None else 0
+
+    def count_failed(self) -> None:
+        """Add the records the writer failed to write since the last call to ``sparseety:trace_records_dropped``."""
+        failed = self.failed_records()
+        if failed > self._failed_counted:
+            self.metrics.trace_dropped.inc(failed - self._failed_counted)
+            self._failed_counted = failed
+
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush(timeout=10)
@@ -106,3 +119,4 @@ class TraceSink:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.count_failed()

@@ -4,6 +4,7 @@ vLLM object into SparSEEty's own type."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from sparseety.integrations.vllm.vllm_api.guards import hook_off
@@ -88,6 +89,32 @@ def reason(finish_reason: Any) -> str | None:
     if finish_reason is None:
         return None
     return finish_reason.name.lower() if hasattr(finish_reason, "name") else str(finish_reason).lower()
+
+
+def aborted_request(req_state: Any) -> FinishedRequest:
+    """A request ``abort_requests`` dropped unfinished: what it produced, ``finish_reason`` ``abort``, and the
+    times and preemptions vLLM's ``RequestStateStats`` hold for it (vLLM makes no ``FinishedRequestStats`` of an
+    aborted request; the times are those it would have computed, each one only once its stamps are set)."""
+    request = finished_request(req_state, "abort")
+    stats = req_state.stats  # None when vLLM logs no stats
+    if stats is None:
+        return request
+    request.num_preemptions = int(stats.num_preemptions)
+    queued, scheduled, first, last = (float(stats.queued_ts), float(stats.scheduled_ts),
+                                      float(stats.first_token_ts), float(stats.last_token_ts))
+    timings: dict[str, float] = {}
+    if stats.arrival_time:
+        timings["e2e_s"] = max(0.0, time.time() - float(stats.arrival_time))
+    if scheduled and queued:
+        timings["queued_s"] = scheduled - queued
+    if first and scheduled:
+        timings["prefill_s"] = first - scheduled
+    if last and first:
+        timings["decode_s"] = last - first
+    if last and scheduled:
+        timings["inference_s"] = last - scheduled
+    request.timings = timings
+    return request
 
 
 # -- API server: the stat logger ---------------------------------------------------------------------------
