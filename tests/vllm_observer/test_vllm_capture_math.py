@@ -123,7 +123,7 @@ def test_positions_never_computed_are_unscored_and_masked(tensors):
     cap = RequestCapture("r", tier=2, mode="value", prompt_len=prompt, layers=LAYERS)
     drive(cap, q, k, v, [(8, 3, None)] + [(p, 1, None) for p in range(11, 14)])
     result = cap.result()
-    assert result["unscored"] == list(range(8))
+    assert result.unscored == tuple(range(8))
     seen = prompt + outputs - 1
     sums, _, _ = summed_rows(result, seen)
     visible = np.arange(seen) >= 8
@@ -182,7 +182,7 @@ def test_shared_blocks_complete_a_prefix_cache_hit(tensors, mode):
         b.score(layer, 8, torch.as_tensor(q[layer, 8:11]), rows, SCALE)
     drive(b, q, k, v, [(p, 1, None) for p in range(11, 14)])
     result = b.result()
-    assert result["unscored"] == [] and result["shared"] == 8
+    assert result.unscored == () and result.shared == 8
     seen = prompt + outputs - 1
     sums, _, _ = summed_rows(result, seen)
     np.testing.assert_allclose(sums, reference(q, k, v, range(prompt - 1, seen), mode)[:, :seen], rtol=1e-5, atol=1e-7)

@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent('''
         del os.environ[var]
     from sparseety.integrations.vllm.vllm_api import adapter
     from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest
+    from sparseety.integrations.vllm.vllm_api.wire_messages import Chunk, Draft, KVHeld
     from sparseety.integrations.vllm.observe.observer import Observer
     from sparseety.integrations.vllm.transport.settings import parse_settings
     from sparseety.store import connect, load_trace
@@ -47,12 +48,12 @@ SCRIPT = textwrap.dedent('''
     runner_out = NS(req_id_to_index={"a": 0, "done": 1, "nosample": 2, "stale": 3, "gone": 4},
                     sampled_token_ids=[[9, 10, 11], [3], [], [4], [5]])
     step2 = adapter.drafts_of(scheduler, sched_out, runner_out)
-    assert step2 == [["a", 2, 12, [9, 10, 55], 2]], step2
+    assert step2 == [Draft("a", 2, 12, (9, 10, 55), 2)], step2
     # step 5 (5 tokens out, position 15): every draft rejected, the target's own token only
     reqs["a"].num_tokens, reqs["a"].num_output_tokens = 15, 5
     step5 = adapter.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={"a": [1, 2]}),
                              NS(req_id_to_index={"a": 0}, sampled_token_ids=[[13]]))
-    assert step5 == [["a", 5, 15, [1, 2], 0]], step5
+    assert step5 == [Draft("a", 5, 15, (1, 2), 0)], step5
     assert adapter.drafts_of(scheduler, NS(scheduled_spec_decode_tokens={}), runner_out) == []
 
     # -- the KV blocks a request held, per KV-cache group (vLLM's null block 0 is not held) --
@@ -60,7 +61,7 @@ SCRIPT = textwrap.dedent('''
     kv_scheduler = NS(kv_cache_config=NS(kv_cache_groups=[group]),
                       kv_cache_manager=NS(get_block_ids=lambda rid: ([0, 4, 5, 6],) if rid == "a" else ([],),
                                           block_pool=NS(null_block=NS(block_id=0))))
-    assert adapter.blocks_of(kv_scheduler, NS(request_id="a")) == [["a", 9000, 3]]
+    assert adapter.blocks_of(kv_scheduler, NS(request_id="a")) == [KVHeld("a", 9000, 3)]
     assert adapter.blocks_of(kv_scheduler, NS(request_id="b")) == []
 
     # -- the observer: what arrives on the channel joins the finished request in the trace --
@@ -70,8 +71,8 @@ SCRIPT = textwrap.dedent('''
         obs.configure(model="smollm2-135m", block_size=None, kv_endpoint=None, config={},
                       tokenizer=model_dir, model_path=model_dir)
         obs.requests.on_drafts(step2 + step5)
-        obs.requests.on_kv_blocks([["a", 4500, 2], ["a", 9000, 3]])  # preempted with 2 blocks, finished with 3
-        obs.requests.on_chunks([["a", 0, 10]])
+        obs.requests.on_kv_blocks([KVHeld("a", 4500, 2), KVHeld("a", 9000, 3)])  # preempted with 2, finished with 3
+        obs.requests.on_chunks([Chunk("a", 0, 10)])
         obs._enqueue(FinishedRequest("cmpl-a", "a", prompt, output, 0, [], [3, 2], [2, 0], 5, 2, text="x",
                                      finish_reason="length"))
         obs.close()

@@ -9,6 +9,8 @@ import torch
 
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.evict.ledger import EvictionLedger
+from sparseety.integrations.vllm.evict.orders import StepReport
+from sparseety.integrations.vllm.vllm_api.wire_messages import EvictedSlots, EvictionRecord
 from sparseety.integrations.vllm.evict.settings import parse_eviction
 from sparseety.integrations.vllm.transport.values import BadValue
 from sparseety.integrations.vllm.evict.compaction import (
@@ -326,13 +328,14 @@ def test_the_worker_report_joins_its_request_and_a_failure_stops_its_eviction():
     ledger.track("b", 8, "h2o")
     order = ledger.plan("a", 20, 20)
     ledger.apply(order, freed_blocks=1)
-    failed = ledger.receive({"evicted": {"a": [[0, 0, 0, 3, 0.5]], "gone": [[0, 0, 0, 1, 0.1]]},
-                             "failed": {"b": "scoring failed: boom"}})
+    slots = EvictedSlots.of_rows([[0, 0, 0, 3, 0.5]])
+    failed = ledger.receive(StepReport({"a": slots, "gone": EvictedSlots.of_rows([[0, 0, 0, 1, 0.1]])},
+                                       {"b": "scoring failed: boom"}))
     assert failed == [("b", "scoring failed: boom")]
-    assert ledger.receive({"failed": {"b": "again"}}) == []  # warned once
+    assert ledger.receive(StepReport(failed={"b": "again"})) == []  # warned once
     assert ledger.plan("b", 40, 20) is None  # b stops evicting and keeps what it holds
     record = ledger.forget("a").record("a")
-    assert record == ["a", "tova", 8, 12, 1, 1, 20, [[0, 0, 0, 3, 0.5]], None, None]
+    assert record == EvictionRecord("a", "tova", 8, 12, 1, 1, 20, slots, None, None)
 
 
 def test_the_kept_positions_are_the_fed_positions_not_evicted():

@@ -11,6 +11,7 @@ import numpy as np
 
 from sparseety.engine.window import window_edge
 from sparseety.integrations.vllm.vllm_api.messages import KVGroup
+from sparseety.integrations.vllm.vllm_api.wire_messages import Groups, KVHeld, WindowFree, WindowPeak
 from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable
 from sparseety.integrations.vllm.observe.window_frees import WindowFrees
 from sparseety.integrations.vllm.observe.window_rows import freed, window_events
@@ -53,13 +54,13 @@ def test_frees_and_peak_follow_the_block_tables():
         _step(frees, coordinator, "r", computed, windows)
     record = frees.finish(coordinator, "r")
     assert record is not None and "r" not in frees.requests
-    req, peak_bytes, peak_blocks, events = record
+    peak_bytes, peak_blocks = record.peak_bytes, record.peak_blocks
     # the windowed group freed block i once computed - 8 + 1 >= 4 (i + 1): at computed 11, 15 and 19
-    assert events == [[11, 1, 1], [15, 1, 1], [19, 1, 1]]
+    assert record.req_id == "r" and record.frees == (WindowFree(11, 1, 1), WindowFree(15, 1, 1), WindowFree(19, 1, 1))
     held = [b for m in coordinator.single_type_managers for b in m.req_to_blocks["r"] if b is not NULL]
     assert peak_blocks == 5 + 3 and len(held) == 5 + 2  # before the last free: 5 + 3; now 5 + 2
     assert peak_bytes == peak_blocks * 20
-    assert frees.groups_record() == [[0, None, 20, 1, [0, 1]], [1, 8, 20, 1, [2, 3]]]
+    assert frees.groups_message() == Groups((KVGroup(0, None, 20, 1, (0, 1)), KVGroup(1, 8, 20, 1, (2, 3))))
 
 
 def test_a_request_unknown_to_every_group_is_not_tracked():
@@ -72,7 +73,7 @@ def test_nulls_a_prefix_cache_hit_put_in_place_are_not_counted_as_frees():
     coordinator.single_type_managers[0].req_to_blocks["r"] = [NULL, NULL, object(), object()]
     nulls = frees.before(coordinator, "r")
     frees.after(coordinator, "r", 14, nulls)
-    assert frees.finish(coordinator, "r") == ["r", 20 * 2, 2, []]
+    assert frees.finish(coordinator, "r") == WindowPeak("r", 20 * 2, 2, ())
 
 
 def test_window_rows_are_the_own_engines_rule():
@@ -97,9 +98,9 @@ def test_freed_names_steps_and_bytes():
 
 def test_the_table_keeps_the_peak_and_the_dense_bytes_of_the_last_life():
     table = RequestTable(8)
-    table.on_groups([[-1, [[0, None, 100, 2, [2]], [1, 4, 30, 2, [0, 1]]]]])
-    table.on_kv_blocks([["r", 500, 5]])  # held when vLLM freed the request's blocks
-    table.on_window([["r", 800, 8, [[3, 1, 2]]]])  # its peak and what the window freed on the way
+    table.on_groups([Groups((KVGroup(0, None, 100, 2, (2,)), KVGroup(1, 4, 30, 2, (0, 1))))])
+    table.on_kv_blocks([KVHeld("r", 500, 5)])  # held when vLLM freed the request's blocks
+    table.on_window([WindowPeak("r", 800, 8, (WindowFree(3, 1, 2),))])  # its peak and what the window freed
     chunks, drafts, held, frees = table.take("r")
     assert held == [800, 8, 560] and frees == [[3, 1, 2]]
 

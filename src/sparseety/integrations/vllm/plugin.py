@@ -9,21 +9,21 @@ every attribute it reads is declared in :mod:`.adapter` and checked there at loa
 a hook whose need is missing is off, with one warning, and the others stay on. The wrappers read vLLM's
 objects only through the adapter's readers.
 
-The scheduler hooks see what the frontend never does, and send it over a ZMQ PUSH socket
-(non-blocking, bounded; what does not fit is dropped and counted) to the observer's PULL socket in the
-API server, one ``[kind, records]`` message per step and kind:
+The scheduler hooks see what the frontend never does, and send it on the one wire
+(:mod:`.transport.wire`: typed, versioned messages of :mod:`.vllm_api.wire_messages`; PUSH, non-blocking,
+bounded; what does not fit is dropped and counted) to the observer's inbox in the API server:
 
-- ``prefill-chunks`` (``chunk``): ``[request id, first position, tokens]`` per prefill chunk (a prompt
-  prefilled over several steps, ``--max-num-batched-tokens``);
-- ``drafts`` (``draft``): ``[request id, step, first position, draft ids, accepted]`` per request and
-  verify step of speculative decoding: the drafts vLLM verified, where they stand in the sequence, and how
-  many of them (a prefix) the target model accepted;
-- ``kv-blocks`` (``kv``): ``[request id, bytes, blocks]`` when vLLM frees a request's KV blocks (it
-  finished, or was preempted): the KV-cache bytes of the blocks it held;
-- ``owners`` (``owner``, to API server 0 only, only with ``--api-server-count > 1``): ``[request id,
-  client index]`` for each new request another API server owns. The worker's importance results go to API
-  server 0's importance channel (the worker cannot see a request's client); API server 0 forwards those
-  of other API servers' requests to them (:class:`.importance_consumer.ImportanceConsumer`).
+- ``prefill-chunks``: a ``Chunk`` per prefill chunk (a prompt prefilled over several steps,
+  ``--max-num-batched-tokens``);
+- ``drafts``: a ``Draft`` per request and verify step of speculative decoding: the drafts vLLM verified,
+  where they stand in the sequence, and how many of them (a prefix) the target model accepted;
+- ``kv-blocks``: a ``KVHeld`` when vLLM frees a request's KV blocks (it finished, or was preempted), and with
+  ``window-frees`` a ``WindowPeak`` (after the engine core's ``Groups``, once per API server);
+- ``kv-eviction``: an ``EvictionRecord`` when a request that evicted (or was refused) finishes;
+- ``owners`` (to API server 0 only, only with ``--api-server-count > 1``): an ``Owner`` for each new request
+  another API server owns. The worker's importance results go to API server 0's importance channel (the
+  worker cannot see a request's client); API server 0 forwards those of other API servers' requests to them
+  (:class:`.importance_consumer.ImportanceConsumer`).
 
 The first process to register picks the channel (``$SPARSEETY_VLLM_CHANNEL``, an ``ipc://`` path) and
 the processes it spawns inherit it. With ``--api-server-count N`` each API server (vLLM's client index

@@ -31,8 +31,10 @@ from typing import Any
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.evict.ledger import EvictionLedger, refused_record
+from sparseety.integrations.vllm.evict.orders import Compaction, StepOrders, StepReport
 from sparseety.integrations.vllm.evict.settings import POLICY_ARG, EvictionSettings
 from sparseety.integrations.vllm.vllm_api.guards import guarded
+from sparseety.integrations.vllm.vllm_api.wire_messages import EvictionRecord
 from sparseety.integrations.vllm.transport.values import clipped
 
 log = logging.getLogger("sparseety.vllm")
@@ -52,7 +54,7 @@ class EngineCoreEviction:
         self.ledger = EvictionLedger(settings.interval or block_size)
         self.preempted: list[str] = []  #: since the last message: the worker starts their slot maps afresh
         #: requests whose ``vllm_xargs`` asked for an eviction that cannot run (served dense), until they finish
-        self.refused: dict[str, list] = {}
+        self.refused: dict[str, EvictionRecord] = {}
         self.failed = 0  #: requests that stopped evicting after a failed compaction
 
     def admit(self, rid: str, prompt_tokens: int, extra: dict[str, Any]) -> bool:
@@ -73,8 +75,8 @@ class EngineCoreEviction:
         self.ledger.track(rid, asked.budget, asked.policy)
         return True
 
-    def before_schedule(self, scheduler: Any) -> list[list]:
-        """Plan and free: the compactions of this step, as lists for the worker."""
+    def before_schedule(self, scheduler: Any) -> list[Compaction]:
+        """Plan and free: the compactions of this step."""
         orders = []
         for rid, computed, prompt in adapter.running_requests(scheduler):
             try:  # nothing of vLLM's is changed before the blocks are freed, so a failure here changes nothing
@@ -86,7 +88,7 @@ class EngineCoreEviction:
                 self.stop(rid, f"planning its compaction failed: {exc!r}")
                 continue
             self.ledger.apply(order, freed)
-            orders.append(order.as_list())
+            orders.append(order)
         return orders
 
     def stop(self, rid: str, reason: str) -> None:
@@ -97,30 +99,30 @@ class EngineCoreEviction:
             self.failed += 1
             log.warning("sparseety: request %s stops evicting: %s", rid, reason)
 
-    def message(self, orders: list[list], scheduled: Any) -> dict[str, Any]:
+    def message(self, orders: list[Compaction], scheduled: Any) -> StepOrders:
         """What the worker needs this step; orders of requests vLLM preempted while scheduling are dropped
         (their blocks are all free and they recompute from the prompt)."""
-        orders = [o for o in orders if self.ledger.offset(o[0])]
+        kept = tuple(o for o in orders if self.ledger.offset(o.rid))
         offsets = {rid: self.ledger.offset(rid) for rid in scheduled if self.ledger.offset(rid)}
-        reset, self.preempted = self.preempted, []
-        return {"compact": orders, "offset": offsets, "reset": reset}
+        reset, self.preempted = tuple(self.preempted), []
+        return StepOrders(kept, offsets, reset)
 
-    def fallback_message(self, orders: list[list]) -> dict[str, Any]:
+    def fallback_message(self, orders: list[Compaction]) -> StepOrders:
         """The worker's message when :meth:`message` failed: every order (their blocks are already free, so the
         worker must cut them) and every tracked request's offset."""
         offsets = {rid: led.offset for rid, led in self.ledger.requests.items() if led.offset}
-        return {"compact": orders, "offset": offsets, "reset": []}
+        return StepOrders(tuple(orders), offsets)
 
-    def receive(self, outbox: Any) -> None:
+    def receive(self, outbox: StepReport | None) -> None:
         """The worker's report on the ``ModelRunnerOutput`` (evicted slots, failed compactions)."""
-        if not outbox:
+        if not isinstance(outbox, StepReport):
             return
         for rid, reason in self.ledger.receive(outbox):
             self.failed += 1
             log.warning("sparseety: request %s stops evicting (it keeps what it holds and grows from there): %s",
                         rid, reason)
 
-    def freed(self, rid: str, finished: bool) -> list | None:
+    def freed(self, rid: str, finished: bool) -> EvictionRecord | None:
         """vLLM freed all of ``rid``'s blocks: finished (forgotten: its record for the observer, see
         :meth:`.RequestLedger.record`) or preempted (recomputes from zero)."""
         if finished:
@@ -136,14 +138,14 @@ _CORE: EngineCoreEviction | None = None
 _WORKER: Any = None  #: the worker's :class:`.worker.WorkerEviction` (torch is imported there)
 
 
-_SEND: Callable[[str, list[list], Any], None] | None = None  #: the scheduler channel to the observer
+_SEND: Callable[[list[Any], Any], None] | None = None  #: the scheduler channel to the observer
 
 
 def install(loud: bool, settings: EvictionSettings | None,
-            send: Callable[[str, list[list], Any], None] | None = None) -> bool:
+            send: Callable[[list[Any], Any], None] | None = None) -> bool:
     """Install the eviction hooks when ``settings`` (``SPARSEETY_KV_POLICY``, checked by the plugin before vLLM
-    loads a model) ask for eviction; True when they are on. ``send(kind, records, requests)`` carries each
-    finished request's eviction record to the observer."""
+    loads a model) ask for eviction; True when they are on. ``send(messages, requests)`` carries each
+    finished request's :class:`.wire_messages.EvictionRecord` to the observer."""
     global _WORKER, _SEND
     _SEND = send
     if settings is None:
@@ -233,7 +235,7 @@ def _freed(core: EngineCoreEviction, request: Any) -> None:
     rid, finished = adapter.request_finished(request)
     record = core.freed(rid, finished)
     if record is not None and _SEND is not None:
-        guarded(HOOK, _SEND, "evict", [record], {rid: request})
+        guarded(HOOK, _SEND, [record], {rid: request})
 
 
 def _offset_of(request_id: str) -> int:

@@ -14,23 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class Compaction:
-    """One order: request ``rid`` holds ``physical`` tokens of its ``logical`` ones, keeps ``kept``."""
-
-    rid: str
-    logical: int
-    physical: int
-    kept: int
-
-    @property
-    def evicted(self) -> int:
-        return self.physical - self.kept
-
-    def as_list(self) -> list:
-        """How it travels in the ``SchedulerOutput`` to the worker."""
-        return [self.rid, self.logical, self.physical, self.kept]
+from sparseety.integrations.vllm.evict.orders import Compaction, StepReport
+from sparseety.integrations.vllm.vllm_api.wire_messages import EvictedSlots, EvictionRecord
 
 
 @dataclass
@@ -45,19 +30,18 @@ class RequestLedger:
     freed_blocks: int = 0
     evicted: int = 0  #: tokens per layer evicted, summed over compactions
     peak: int = 0  #: the most tokens it held at once (before a compaction)
-    events: list[list[float]] = field(default_factory=list)  #: the worker's (step, layer, kv head, position, score)
+    events: list[EvictedSlots] = field(default_factory=list)  #: the worker's evicted slots, step by step
     failure: str | None = None  #: why the worker stopped following the policy (the request then stops evicting)
 
-    def record(self, rid: str) -> list:
-        """``[request id, policy, budget, evicted tokens per layer, freed blocks, compactions, peak tokens, evicted
-        slots, failure, refusal]``, as it travels to the observer when the request finishes (``refusal`` None)."""
-        return [rid, self.policy, self.budget, self.evicted, self.freed_blocks, self.compactions, self.peak,
-                self.events, self.failure, None]
+    def record(self, rid: str) -> EvictionRecord:
+        """What travels to the observer when the request finishes."""
+        return EvictionRecord(rid, self.policy, self.budget, self.evicted, self.freed_blocks, self.compactions,
+                              self.peak, EvictedSlots.joined(self.events), self.failure)
 
 
-def refused_record(rid: str, policy: str, reason: str) -> list:
+def refused_record(rid: str, policy: str, reason: str) -> EvictionRecord:
     """The record of a request whose ``vllm_xargs`` asked for an eviction that cannot run: it was served dense."""
-    return [rid, policy, 0, 0, 0, 0, 0, [], None, reason]
+    return EvictionRecord(rid, policy, refused=reason)
 
 
 class EvictionLedger:
@@ -106,15 +90,15 @@ class EvictionLedger:
             led.offset = 0
             led.compactions = 0
 
-    def receive(self, outbox: dict) -> list[tuple[str, str]]:
+    def receive(self, report: StepReport) -> list[tuple[str, str]]:
         """The worker's report after a step (:meth:`.WorkerEviction.outbox`): evicted slots join their request;
         a request whose compaction failed stops evicting. The ``(request id, reason)`` newly failed."""
-        for rid, rows in (outbox.get("evicted") or {}).items():
+        for rid, slots in report.evicted.items():
             led = self.requests.get(rid)
-            if led is not None:
-                led.events.extend(rows)
+            if led is not None and len(slots):
+                led.events.append(slots)
         failed = []
-        for rid, reason in (outbox.get("failed") or {}).items():
+        for rid, reason in report.failed.items():
             led = self.requests.get(rid)
             if led is not None and led.failure is None:
                 led.failure = str(reason)

@@ -115,10 +115,6 @@ class RequestEviction:
     def key(self) -> tuple[str, int, str]:
         return self.policy, self.budget, json.dumps(self.options, sort_keys=True, default=str)
 
-    def as_list(self) -> list:
-        """How it travels to the worker."""
-        return [self.policy, self.budget, self.options]
-
 
 def checked(policy: str, budget: int | None, ratio: float | None, options: dict[str, Any], prompt_tokens: int,
             arg: str = "SPARSEETY_KV_POLICY", model: str | None = None) -> RequestEviction:

@@ -24,7 +24,8 @@ import torch
 
 from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.evict.compaction import BlockLayout, compact, probe_layout, read_slots, slot_index
-from sparseety.integrations.vllm.evict.ledger import Compaction
+from sparseety.integrations.vllm.evict.orders import Compaction, StepOrders, StepReport
+from sparseety.integrations.vllm.vllm_api.wire_messages import EvictedSlots
 from sparseety.integrations.vllm.evict.settings import EvictionSettings, checkpoint_model
 from sparseety.integrations.vllm.evict.slots import EvictingRequest
 
@@ -173,39 +174,40 @@ class WorkerEviction:
             request.finish_forward(end)
         self.step, self.hidden, self.wants_hidden = [], {}, False
 
-    def outbox(self) -> dict[str, Any] | None:
+    def outbox(self) -> StepReport | None:
         """What the scheduler learns after this step (on the ``ModelRunnerOutput``): each request's evicted slots
-        since the last step (rows of step, layer, kv head, position, score) and the requests whose compaction
-        fell back; None when there is nothing."""
-        evicted = {rid: rows for rid, r in self.requests.items() if r is not None and (rows := r.take_evicted())}
+        since the last step and the requests whose compaction fell back; None when there is nothing."""
+        evicted = {rid: EvictedSlots.of_rows(rows) for rid, r in self.requests.items()
+                   if r is not None and (rows := r.take_evicted())}
         if not evicted and not self.failed:
             return None
         failed, self.failed = self.failed, {}
-        return {"evicted": evicted, "failed": failed}
+        return StepReport(evicted, failed)
 
     # -- compactions, before a step ------------------------------------------------------------------------------
-    def before_update(self, runner: Any, message: dict[str, Any] | None, finished: Any) -> bool:
+    def before_update(self, runner: Any, message: StepOrders | None, finished: Any) -> bool:
         """Carry out the scheduler's ``message`` (orders, offsets, resets) before vLLM updates the batch; True."""
         for rid in finished:
             self.requests.pop(rid, None)
-        self.offsets = dict(message["offset"]) if message else {}
-        for rid in message.get("reset", ()) if message else ():
+        message = message or StepOrders()
+        self.offsets = dict(message.offset)
+        for rid in message.reset:
             request = self.requests.get(rid)
             if request is not None:
                 request.reset()
-        for item in message["compact"] if message else ():
-            self.carry_out(runner, Compaction(*item))
+        for order in message.compact:
+            self.carry_out(runner, order)
         return True
 
-    def cut_only(self, runner: Any, message: dict[str, Any]) -> None:
+    def cut_only(self, runner: Any, message: StepOrders) -> None:
         """When :meth:`before_update` failed: each ordered request's blocks past those it keeps leave its block
         table (the scheduler already gave them to others), its offset holds, and it stops evicting."""
-        self.offsets = dict(message.get("offset") or {})
-        for rid, _logical, _physical, kept in message.get("compact") or ():
-            self._cut(runner, rid, kept)
-            request = self.requests.get(rid)
+        self.offsets = dict(message.offset)
+        for order in message.compact:
+            self._cut(runner, order.rid, order.kept)
+            request = self.requests.get(order.rid)
             if request is not None:
-                self.failed.setdefault(rid, "its compaction failed; it keeps its oldest slots")
+                self.failed.setdefault(order.rid, "its compaction failed; it keeps its oldest slots")
 
     def _cut(self, runner: Any, rid: str, kept: int) -> None:
         block_lists = adapter.request_blocks(runner, rid)

@@ -59,6 +59,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from sparseety.integrations.vllm.vllm_api.wire_messages import ImportanceResult, PendingRow, StepRow
 
 log = logging.getLogger("sparseety.vllm")
 TIER_ARG = "sparseety_tier"
@@ -233,8 +234,8 @@ class RequestCapture:
             if layer == 0:
                 self.rows += 1
 
-    def result(self) -> dict[str, Any]:
-        """The message for the observer (numpy bytes; see :func:`.importance.decode_result`)."""
+    def result(self) -> ImportanceResult:
+        """The message for the observer (numpy bytes; see :func:`.importance.summed_rows`)."""
         n = max([self.written.shape[0], *[q + 1 for q in self.pending]])
         width = max([q + 1 for q in (*self.folded, *self.pending)], default=0)
         n = min(n, width) if width else 0
@@ -242,17 +243,15 @@ class RequestCapture:
         def raw(t: Any) -> bytes:
             return t.contiguous().float().numpy().tobytes()
 
-        return {
-            "req_id": self.req_id, "tier": self.tier, "mode": self.mode, "prompt_len": self.prompt_len,
-            "layers": self.layers, "width": n,
-            "sums": raw(self.sums[:, :n]),
-            "attention": raw(self.attention[:, :n]) if self.attention is not None else None,
-            "folded": sorted(self.folded),
-            "pending": [[q, raw(s), raw(a) if a is not None else None] for q, (s, a) in sorted(self.pending.items())],
-            "steps": [[q, self.steps[q].numpy().tobytes()] for q in sorted(self.steps)],
-            "unscored": sorted(self.unscored),
-            "shared": self.shared,
-        }
+        return ImportanceResult(
+            req_id=self.req_id, tier=self.tier, mode=self.mode, prompt_len=self.prompt_len, layers=self.layers,
+            width=n, sums=raw(self.sums[:, :n]),
+            attention=raw(self.attention[:, :n]) if self.attention is not None else None,
+            folded=tuple(sorted(self.folded)),
+            pending=tuple(PendingRow(q, raw(s), raw(a) if a is not None else None)
+                          for q, (s, a) in sorted(self.pending.items())),
+            steps=tuple(StepRow(q, self.steps[q].numpy().tobytes()) for q in sorted(self.steps)),
+            unscored=tuple(sorted(self.unscored)), shared=int(self.shared))
 
 
 # -- the worker's state ----------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
 """The engine core's hooks on vLLM's scheduler: prefill chunks, drafts, the KV blocks a request held and its window
 frees, and the owners of other API servers' requests, sent on the scheduler channel (:func:`send`) to the API
-server that owns each request. The channel's message kinds are described in :mod:`..plugin`."""
+server that owns each request, as the typed messages of :mod:`..vllm_api.wire_messages`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from sparseety.integrations.vllm.observe.window_frees import WindowFrees
-from sparseety.integrations.vllm.transport.sender import ChannelSender
+from sparseety.integrations.vllm.transport.channels import client_channel
+from sparseety.integrations.vllm.transport.wire import WireSender
 from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.vllm_api.guards import guarded
+from sparseety.integrations.vllm.vllm_api.wire_messages import Message
 
 HOOKS = ("prefill-chunks", "drafts", "kv-blocks", "window-frees")
 _ROUTE = True  #: route engine-core records to the owning API server (``Request.client_index``)
@@ -31,27 +33,27 @@ def install(on: dict[str, bool]) -> None:
             _patch_window_frees(adapter.resolve(adapter.COORD))
 
 
-_SENDER: ChannelSender | None = None
-_SENDER_TRIED = False
+_SENDER: WireSender | None = None
+SEND_HWM = 10_000  #: frames queued per API server before the scheduler's sends drop (counted)
 
 
-def send(kind: str, records: list[list], requests: Any = None) -> None:
-    """Send on the channel, opened on first use (tried once: a channel that cannot open stays shut).
+def send(messages: list[Message], requests: Any = None, client: int | None = None) -> None:
+    """Send ``messages`` on the scheduler channel, opened on first use (non-blocking: a full queue drops).
 
-    ``requests`` (the scheduler's ``request id -> Request``): each record (``[request id, ...]``) goes to
-    the API server that owns its request (``Request.client_index``; 0 for a request not there)."""
-    global _SENDER, _SENDER_TRIED
+    ``requests`` (the scheduler's ``request id -> Request``): each message goes to the API server that owns its
+    request (``Request.client_index``; 0 for a request not there); ``client`` names it for all of them."""
+    global _SENDER
     if _SENDER is None:
-        if _SENDER_TRIED:
-            return
-        _SENDER_TRIED = True
-        _SENDER = ChannelSender()
-    by_client: dict[int, list[list]] = {}
+        _SENDER = WireSender(client_channel, hwm=SEND_HWM)
+    if client is not None:
+        _SENDER.send(messages, client)
+        return
+    by_client: dict[int, list[Message]] = {}
     requests = requests or {}
-    for record in records:
-        by_client.setdefault(_client_of(requests.get(record[0])), []).append(record)
-    for client, part in by_client.items():
-        _SENDER.send(kind, part, client)
+    for message in messages:
+        by_client.setdefault(_client_of(requests.get(message.req_id)), []).append(message)
+    for owner, part in by_client.items():
+        _SENDER.send(part, owner)
 
 
 def _client_of(request: Any) -> int:
@@ -62,10 +64,10 @@ def _client_of(request: Any) -> int:
 def _patch_schedule(cls: Any) -> None:
     """``prefill-chunks`` (and the owners of other API servers' requests, ``ranks``): the scheduler's
     per-step bookkeeping."""
-    def chunks_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+    def chunks_of(scheduler: Any, args: tuple, kwargs: dict) -> list[Message]:
         return adapter.prefill_chunks(scheduler, adapter.arg(args, kwargs, 0, "scheduler_output"))
 
-    def owners_of(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+    def owners_of(scheduler: Any, args: tuple, kwargs: dict) -> list[Message]:
         if not _ROUTE:
             return []
         return adapter.owners_of(scheduler, adapter.arg(args, kwargs, 0, "scheduler_output"), _ROUTE)
@@ -76,9 +78,9 @@ def _patch_schedule(cls: Any) -> None:
             owners = guarded("prefill-chunks", owners_of, self, args, kwargs)
             result = original(self, *args, **kwargs)
             if chunks:
-                guarded("prefill-chunks", send, "chunk", chunks, adapter.scheduler_requests(self))
+                guarded("prefill-chunks", send, chunks, adapter.scheduler_requests(self))
             if owners:
-                guarded("prefill-chunks", send, "owner", owners)
+                guarded("prefill-chunks", send, owners, None, 0)
             return result
         return _update_after_schedule
 
@@ -87,7 +89,7 @@ def _patch_schedule(cls: Any) -> None:
 
 def _patch_drafts(cls: Any) -> None:
     """``drafts``: the speculative drafts each verify step checked, with ids and positions."""
-    def on_step(scheduler: Any, args: tuple, kwargs: dict) -> list[list]:
+    def on_step(scheduler: Any, args: tuple, kwargs: dict) -> list[Message]:
         scheduler_output = adapter.arg(args, kwargs, 0, "scheduler_output")
         if not adapter.has_drafts(scheduler_output):  # no speculative decoding: one dict check
             return []
@@ -98,7 +100,7 @@ def _patch_drafts(cls: Any) -> None:
             drafts = guarded("drafts", on_step, self, args, kwargs)
             result = original(self, *args, **kwargs)
             if drafts:
-                guarded("drafts", send, "draft", drafts, adapter.scheduler_requests(self))
+                guarded("drafts", send, drafts, adapter.scheduler_requests(self))
             return result
         return update_from_output
 
@@ -108,7 +110,7 @@ def _patch_drafts(cls: Any) -> None:
 def _patch_kv_blocks(cls: Any, window: bool) -> None:
     """``kv-blocks``: the KV bytes a request held, read when vLLM frees its blocks; with ``window``
     (``window-frees`` on) also its peak and the blocks its sliding-window groups freed on the way."""
-    def window_record(scheduler: Any, request: Any) -> list | None:
+    def window_record(scheduler: Any, request: Any) -> Message | None:
         return _WINDOW.finish(adapter.coordinator_of(scheduler), adapter.request_id(request))
 
     def make(original):
@@ -118,7 +120,7 @@ def _patch_kv_blocks(cls: Any, window: bool) -> None:
             frees = guarded("window-frees", window_record, self, request) if window else None
             result = original(self, *args, **kwargs)
             if held:
-                guarded("kv-blocks", send, "kv", held, {held[0][0]: request})
+                guarded("kv-blocks", send, held, {held[0].req_id: request})
             if frees:
                 guarded("window-frees", _send_window, frees, request)
             return result
@@ -131,13 +133,13 @@ _WINDOW = WindowFrees()
 _GROUPS_SENT: set[int] = set()  #: API servers told the KV-cache groups
 
 
-def _send_window(record: list, request: Any) -> None:
-    """``window``: one request's peak and window frees, after the groups its API server has not had yet."""
+def _send_window(record: Message, request: Any) -> None:
+    """One request's peak and window frees, after the groups its API server has not had yet."""
     client = _client_of(request)
     if client not in _GROUPS_SENT:
         _GROUPS_SENT.add(client)
-        send("groups", [[-1, _WINDOW.groups_record()]], {-1: request})
-    send("window", [record], {record[0]: request})
+        send([_WINDOW.groups_message()], client=client)
+    send([record], client=client)
 
 
 def _patch_window_frees(cls: Any) -> None:

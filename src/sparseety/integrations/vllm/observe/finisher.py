@@ -70,10 +70,11 @@ def _attach_evictions(run: VllmRun, eviction: dict[str, Any], sequence: list[int
     token events and ``kept_positions_final`` (tier 2; ``shape``: layers and KV heads), ``evicted_positions``
     (distinct positions evicted from some layer and head) and ``eviction_events`` (tier 1); the ``slots`` leave
     the ``vllm`` info (they are in the events)."""
-    slots = eviction.pop("slots", None) or []
-    if tier < 1 or not slots:
+    slots = eviction.pop("slots", None)
+    if tier < 1 or slots is None or not len(slots):
         return
-    table = np.asarray(slots, dtype=np.float64).reshape(-1, 5)
+    table = np.column_stack([np.asarray(column, dtype=np.float64) for column in
+                             (slots.step, slots.layer, slots.kv_head, slots.position, slots.score)])
     positions = table[:, 3].astype(np.int64)
     run.evicted_positions = int(np.unique(positions).size)
     run.eviction_events = int(table.shape[0])

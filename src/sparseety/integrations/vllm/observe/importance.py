@@ -1,9 +1,9 @@
 """In the API server: receive the worker's captured attention rows and turn them into important tokens.
 
-:mod:`.attention_capture` (in vLLM's worker) sends ``["start", request id]`` at a sampled request's first
-forward and ``["done", result]`` when vLLM removes it, over its own bounded ZMQ channel (next to the
-scheduler channel). :class:`ImportanceInbox` binds the PULL end and keeps the results (bounded: the oldest
-are dropped and counted). The observer's worker thread waits for a started request's result at most
+:mod:`.attention_capture` (in vLLM's worker) sends a :class:`.wire_messages.CaptureStart` at a sampled request's
+first forward and its :class:`.wire_messages.ImportanceResult` when vLLM removes it, over its own bounded channel
+(next to the scheduler channel). :class:`ImportanceInbox` receives them (:class:`..transport.wire.WireInbox`) and
+keeps the results (bounded: the oldest are dropped and counted). The observer's worker thread waits for a started request's result at most
 :func:`wait_s` after the frontend saw it finish, then calls :func:`attach`.
 
 :func:`attach` turns a result into what an own-engine trace holds, through the same code: the rows of
@@ -36,7 +36,9 @@ import numpy as np
 
 from sparseety.errors import ConfigError
 from sparseety.integrations.vllm.transport.channels import importance_channel
+from sparseety.integrations.vllm.transport.wire import WireInbox
 from sparseety.integrations.vllm.transport.values import decimal_number, shown
+from sparseety.integrations.vllm.vllm_api.wire_messages import CaptureStart, ImportanceResult
 
 log = logging.getLogger("sparseety.vllm")
 WAIT_ENV = "SPARSEETY_IMPORTANCE_WAIT_S"
@@ -63,19 +65,30 @@ def wait_s() -> float:
 
 
 class ImportanceInbox:
-    """The PULL end of the importance channel: started requests and their results, bounded."""
+    """The importance channel's inbox: started requests and their results, bounded (the oldest go, counted)."""
 
-    def __init__(self, channel: str, limit: int = 4096) -> None:
+    def __init__(self, channel: str, limit: int = 4096, *, start: bool = True) -> None:
         self.endpoint = importance_channel(channel)
         self.limit = limit
         self.started: OrderedDict[str, float] = OrderedDict()
-        self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.results: OrderedDict[str, ImportanceResult] = OrderedDict()
         self.dropped = 0  #: results dropped because too many waited
-        self.bad = 0  #: messages that did not decode
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="sparseety-vllm-importance", daemon=True)
-        self._thread.start()
+        self.inbox = WireInbox(self.endpoint, {CaptureStart: self.on_start, ImportanceResult: self.on_result},
+                               name="importance", hwm=1000, start=start)
+
+    @property
+    def bad(self) -> int:
+        """Frames counted and dropped: an unknown kind or version, a bad layout, a failed handler."""
+        return sum(v for k, v in self.inbox.counts.items() if k != "received")
+
+    def on_start(self, messages: list[CaptureStart]) -> None:
+        for m in messages:
+            self._put(self.started, m.req_id, time.monotonic())
+
+    def on_result(self, messages: list[ImportanceResult]) -> None:
+        for m in messages:
+            self._put(self.results, m.req_id, m)
 
     def waiting(self, internal_id: str) -> bool:
         """True when the worker started capturing ``internal_id`` and its result has not come yet."""
@@ -87,7 +100,7 @@ class ImportanceInbox:
         with self._lock:
             return internal_id in self.results
 
-    def take(self, internal_id: str) -> tuple[bool, dict[str, Any] | None]:
+    def take(self, internal_id: str) -> tuple[bool, ImportanceResult | None]:
         """``(started, result)`` for ``internal_id``, forgetting both."""
         with self._lock:
             return self.started.pop(internal_id, None) is not None, self.results.pop(internal_id, None)
@@ -99,45 +112,8 @@ class ImportanceInbox:
                 table.popitem(last=False)
                 self.dropped += 1
 
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-
-        sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError:
-            log.exception("sparseety: cannot bind the importance channel %s", self.endpoint)
-            return
-        decode = msgspec.msgpack.Decoder().decode
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                try:
-                    kind, body = decode(sock.recv())
-                    if kind == "start":
-                        self._put(self.started, str(body), time.monotonic())
-                    elif kind == "done":
-                        self._put(self.results, str(body["req_id"]), body)
-                    else:
-                        self.bad += 1
-                except Exception:
-                    self.bad += 1
-        except Exception:
-            log.exception("sparseety: importance receiver stopped")
-        finally:
-            sock.close(0)
-            if self.endpoint.startswith("ipc://"):
-                try:
-                    os.unlink(self.endpoint[len("ipc://"):])
-                except OSError:
-                    pass
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
+        self.inbox.close()
 
 
 @functools.lru_cache(maxsize=4)
@@ -159,37 +135,37 @@ def tokenizer_for(path: str | None) -> Any:
         return None
 
 
-def summed_rows(result: dict[str, Any], seen: int) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, np.ndarray]]]:
+def summed_rows(result: ImportanceResult, seen: int) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, np.ndarray]]]:
     """The result's per-layer sums over the rows of query positions below ``seen`` (``[layers, seen]``
     float32, score and plain attention), and its per-step score vectors ``(q, [layers, q + 1])``."""
-    layers, width = int(result["layers"]), int(result["width"])
+    layers, width = result.layers, result.width
 
     def mat(raw: bytes, cols: int) -> np.ndarray:
         return np.frombuffer(raw, dtype=np.float32).reshape(layers, cols)
 
     sums = np.zeros((layers, seen), dtype=np.float32)
-    att = np.zeros((layers, seen), dtype=np.float32) if result["attention"] is not None else None
+    att = np.zeros((layers, seen), dtype=np.float32) if result.attention is not None else None
     k = min(width, seen)
-    sums[:, :k] = mat(result["sums"], width)[:, :k]
-    if att is not None:
-        att[:, :k] = mat(result["attention"], width)[:, :k]
-    steps = [(int(q), np.frombuffer(raw, dtype=np.float16).reshape(layers, int(q) + 1).astype(np.float32))
-             for q, raw in result["steps"] if int(q) < seen]
-    for q, score, plain in result["pending"]:
-        q = int(q)
+    sums[:, :k] = mat(result.sums, width)[:, :k]
+    if att is not None and result.attention is not None:
+        att[:, :k] = mat(result.attention, width)[:, :k]
+    steps = [(s.q, np.frombuffer(s.row, dtype=np.float16).reshape(layers, s.q + 1).astype(np.float32))
+             for s in result.steps if s.q < seen]
+    for pending in result.pending:
+        q, score, plain = pending.q, pending.scores, pending.plain
         if q >= seen:  # a drafted position that was rejected, or past the last token fed back
             continue
         row = mat(score, q + 1)
         sums[:, : q + 1] += row
         if att is not None and plain is not None:
             att[:, : q + 1] += mat(plain, q + 1)
-        if int(result["tier"]) >= 3:
+        if result.tier >= 3:
             steps.append((q, row.astype(np.float16).astype(np.float32)))
     steps.sort(key=lambda item: item[0])
     return sums, att, steps
 
 
-def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_path: str | None,
+def attach(run: Any, result: ImportanceResult | None, *, started: bool, tokenizer_path: str | None,
            decode: bool = True) -> dict[str, Any]:
     """Put the important tokens of ``result`` into ``run`` (a :class:`~.record.VllmRun`); returns the
     ``importance`` section of the record's ``vllm`` info (``status``: ``recorded``, ``lost`` when the
@@ -206,8 +182,8 @@ def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_
     seen = prompt_len + max(n_out, 1) - 1
     token_ids = np.asarray(run.prompt_ids + run.output_ids, dtype=np.int64)[:seen]
     sums, att, steps = summed_rows(result, seen)
-    mode = str(result["mode"])
-    unscored = [p for p in result["unscored"] if p < seen]
+    mode = result.mode
+    unscored = [p for p in result.unscored if p < seen]
     tokenizer = tokenizer_for(tokenizer_path)
     special = tuple(getattr(tokenizer, "all_special_ids", ()) or ()) if tokenizer is not None else ()
     sinks: list[int] = []
@@ -227,15 +203,15 @@ def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_
         for p in unscored:
             group.add(0, -1, p, int(token_ids[p]))
         run.arrays.update(group.arrays("unscored"))
-    tier = max(int(run.tier), int(result["tier"]))
+    tier = max(int(run.tier), result.tier)
     if tier >= 3 and steps:
         stacked = np.full((len(steps), sums.shape[0], seen), np.nan, dtype=np.float16)
         for i, (q, row) in enumerate(steps):
             stacked[i, :, : q + 1] = row
         run.arrays["step_importance"] = stacked
     run.tier = tier
-    rows = len(result["folded"]) + sum(1 for q, *_ in result["pending"] if int(q) < seen)
-    layers = int(result["layers"])
+    rows = len(result.folded) + sum(1 for p in result.pending if p.q < seen)
+    layers = result.layers
     run.provenance["extraction"] = {
         "score_type": "attention", "top_k": TOP_K, "normalize": "max", "min_score": 0.0,
         "exclude_special": bool(special), "layers": "all", "recorded_layers": list(range(layers)),
@@ -246,8 +222,8 @@ def attach(run: Any, result: dict[str, Any] | None, *, started: bool, tokenizer_
     }
     # fewer rows than outputs: forwards the wrapper never saw (e.g. attention inside a full CUDA graph)
     return {"status": "recorded" if rows == n_out else "partial", "mode": mode, "rows": rows, "expected_rows": n_out,
-            "layers": int(result["layers"]), "sinks": sinks, "unscored_positions": len(unscored),
-            "shared_positions": int(result.get("shared", 0)),
+            "layers": layers, "sinks": sinks, "unscored_positions": len(unscored),
+            "shared_positions": result.shared,
             "tier": tier}
 
 

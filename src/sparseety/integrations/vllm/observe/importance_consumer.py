@@ -1,7 +1,7 @@
 """In the API server: the worker's important tokens, waited for, forwarded to their API server, attached.
 
-The worker's capture (:mod:`.worker_hooks`) sends ``["start", request id]`` and ``["done", result]`` to API
-server 0's importance channel (the worker cannot see which API server owns a request).
+The worker's capture (:mod:`.worker_hooks`) sends a :class:`.wire_messages.CaptureStart` and an
+:class:`.wire_messages.ImportanceResult` per sampled request to API server 0's importance channel (the worker cannot see which API server owns a request).
 :class:`ImportanceConsumer` owns that channel's receiver (:class:`.importance.ImportanceInbox`) and:
 
 - tells the finisher whether a finished request's result may still come (:meth:`pending`, at most
@@ -14,21 +14,16 @@ server 0's importance channel (the worker cannot see which API server owns a req
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from sparseety.integrations.vllm.transport.channels import CHANNEL_ENV, client_channel, importance_channel
+from sparseety.integrations.vllm.transport.channels import forward_endpoint, importance_channel
 from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest
 from sparseety.integrations.vllm.transport.record import VllmRun
+from sparseety.integrations.vllm.transport.wire import WireSender
+from sparseety.integrations.vllm.vllm_api.wire_messages import CaptureStart, Message
 from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable
 
 log = logging.getLogger("sparseety.vllm")
-
-
-def client_channel_of(client: int) -> str | None:
-    """The scheduler channel API server ``client`` binds (None when the plugin set none)."""
-    base = os.environ.get(CHANNEL_ENV)
-    return client_channel(client, base) if base else None
 
 
 class ImportanceConsumer:
@@ -38,7 +33,7 @@ class ImportanceConsumer:
         self.table = table
         self.client = client
         self.inbox = _inbox(channel)
-        self._forward: dict[int, Any] = {}  #: API server -> PUSH to its importance channel
+        self._forward = WireSender(forward_endpoint(importance_channel))
         self.forwarded = 0  #: importance results forwarded to the API server that owns the request
 
     def pending(self, c: FinishedRequest, now: float, *, sampled: bool) -> bool:
@@ -66,30 +61,18 @@ class ImportanceConsumer:
             client, sent = entry
             if req_id in inbox.results:
                 _, result = inbox.take(req_id)
-                if not sent:
-                    self._send(client, ["start", req_id])
-                self._send(client, ["done", result])
+                self._send(client, ([] if sent else [CaptureStart(req_id)]) + ([result] if result else []))
                 owners.pop(req_id, None)
                 self.forwarded += 1
             elif not sent and inbox.waiting(req_id):
-                self._send(client, ["start", req_id])
+                self._send(client, [CaptureStart(req_id)])
                 entry[1] = 1
 
-    def _send(self, client: int, message: list) -> None:
-        import msgspec
-        import zmq
-
-        sock = self._forward.get(client)
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(importance_channel(client_channel_of(client)))
-            self._forward[client] = sock
-        try:
-            sock.send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            self.table.dropped += 1
+    def _send(self, client: int, messages: list[Message]) -> None:
+        """Forward ``messages`` to API server ``client``; what its queue cannot take counts in the table's drops."""
+        before = self._forward.dropped
+        self._forward.send(messages, client)
+        self.table.dropped += self._forward.dropped - before
 
     def attach(self, run: VllmRun, c: FinishedRequest, *, decode: bool, tokenizer_path: str | None) -> dict[str, Any]:
         """Put ``c``'s important tokens into ``run``; the ``importance`` section of its ``vllm`` info."""

@@ -67,11 +67,12 @@ from typing import Any
 
 from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.observe.finisher import Finisher
-from sparseety.integrations.vllm.observe.importance_consumer import ImportanceConsumer, client_channel_of
+from sparseety.integrations.vllm.observe.importance_consumer import ImportanceConsumer
 from sparseety.integrations.vllm.observe.kv_consumer import KVConsumer
 from sparseety.integrations.vllm.vllm_api.messages import FinishedRequest, FinishedStats
 from sparseety.integrations.vllm.observe.routing_consumer import RoutingConsumer, routing_expected
 from sparseety.integrations.vllm.observe.scheduler_consumer import RequestTable, SchedulerConsumer
+from sparseety.integrations.vllm.transport.channels import client_channel_of
 from sparseety.integrations.vllm.transport.settings import Settings, parse_settings
 from sparseety.integrations.vllm.transport.sink import TraceSink, engine_label
 
@@ -110,7 +111,7 @@ class Observer:
         self._thread: threading.Thread | None = None
         self.requests = RequestTable(4 * self.settings.queue_size)
         self._channel = client_channel_of(client)
-        self.scheduler = SchedulerConsumer(self._channel, self.requests, self._stop) if self._channel else None
+        self.scheduler = SchedulerConsumer(self._channel, self.requests) if self._channel else None
         self.importance = ImportanceConsumer(self._channel, self.requests, client)
         self.kv = KVConsumer(self.sink)
         self.finisher = Finisher(self.sink, self.requests, self.kv, self.importance, channel=bool(self._channel))

@@ -14,9 +14,9 @@ which request) and ``_on_request_state_removed`` (the request is done: send what
   logits and of the top-k weights and ids vLLM chose, copied on the device, per layer and forward; moved
   to the CPU once, when the request is removed (softmax as SparSEEty's own probe takes it).
 
-One message per request goes to the API server when vLLM removes it (``["route", result]``), over its own
+One :class:`.wire_messages.RouteResult` per request goes to the API server when vLLM removes it, over its own
 channel beside the scheduler channel (:func:`.channels.routing_channel`; PUSH, non-blocking, bounded), and
-one ``["moe", shape]`` at the first forward that routed. ``SPARSEETY_ROUTING=off`` turns all of it off. A
+one :class:`.wire_messages.MoeShape` at the first forward that routed. ``SPARSEETY_ROUTING=off`` turns all of it off. A
 model that is compiled (``torch.compile``, i.e. vLLM without ``--enforce-eager`` on CPU) traces through the
 router; the wrapper then records nothing (``torch.compiler.is_compiling()``). This module imports neither
 vLLM nor torch at import time.
@@ -34,10 +34,13 @@ from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.observe.attention_capture import TIER_ARG
 from sparseety.integrations.vllm.vllm_api.ids import external_id, layer_number
 from sparseety.integrations.vllm.transport.channels import routing_channel
+from sparseety.integrations.vllm.transport.wire import WireSender
 from sparseety.integrations.vllm.vllm_api.guards import guarded
+from sparseety.integrations.vllm.vllm_api.wire_messages import Message, MoeShape, RouteResult
 
 log = logging.getLogger("sparseety.vllm")
 HOOK = "moe-routing"
+SEND_HWM = 256  #: results queued before the worker's sends drop (counted)
 ROUTING_ENV = "SPARSEETY_ROUTING"
 
 
@@ -114,19 +117,16 @@ class RoutingCapture:
         self.sampled: list[tuple[RequestRouting, int, int, int]] = []  #: (capture, first row, end row, p0)
         self.acc: list[tuple[int, Any]] | None = None  #: this forward's ``(slot, ids [rows, k])`` per MoE layer
         self.channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
-        self._sender: Any = None
-        self._sender_tried = False
+        self._sender: WireSender | None = None
 
     # -- sending -------------------------------------------------------------------------------------------
-    def send(self, message: list) -> None:
+    def send(self, message: Message) -> None:
+        """Send ``message`` to API server 0's routing channel (non-blocking; nothing without a channel)."""
+        if not self.channel:
+            return
         if self._sender is None:
-            if self._sender_tried or not self.channel:
-                return
-            self._sender_tried = True
-            from sparseety.integrations.vllm.observe.worker_hooks import _Sender
-
-            self._sender = _Sender(routing_channel(self.channel))
-        self._sender.send(message)
+            self._sender = WireSender(lambda _client: routing_channel(self.channel), hwm=SEND_HWM, linger_ms=2000)
+        self._sender.send([message])
 
     # -- per forward ---------------------------------------------------------------------------------------
     def discover(self, runner: Any) -> None:
@@ -215,7 +215,7 @@ class RoutingCapture:
                 held += counts[:, i]
         if not self.announced:
             self.announced = True
-            self.send(["moe", {"layers": self.layers, "experts": self.experts, "top_k": self.top_k}])
+            self.send(MoeShape(tuple(self.layers), self.experts, self.top_k))
 
     def finish(self, req_id: str) -> None:
         """vLLM removed ``req_id``: send its counts (and a sampled request's rows)."""
@@ -224,14 +224,12 @@ class RoutingCapture:
         if counts is None and capture is None:
             return
         counts = counts if counts is not None else np.zeros((len(self.layers), self.experts), dtype=np.int64)
-        result: dict[str, Any] = {"req_id": req_id, "layers": self.layers, "experts": self.experts,
-                                  "top_k": self.top_k, "counts": counts.astype(np.int64).tobytes()}
         rows = capture.arrays() if capture is not None else None
-        if rows is not None:
-            result.update(tier=capture.tier, width=rows["width"], probs=rows["probs"].tobytes(),
-                          ids=rows["ids"].tobytes(), weights=rows["weights"].tobytes(),
-                          written=rows["written"].tobytes())
-        self.send(["route", result])
+        sampled = {} if rows is None else {
+            "tier": capture.tier, "width": int(rows["width"]), "probs": rows["probs"].tobytes(),
+            "ids": rows["ids"].tobytes(), "weights": rows["weights"].tobytes(), "written": rows["written"].tobytes()}
+        self.send(RouteResult(req_id, tuple(self.layers), self.experts, self.top_k,
+                              counts.astype(np.int64).tobytes(), **sampled))
 
 
 _CAPTURE: RoutingCapture | None = None

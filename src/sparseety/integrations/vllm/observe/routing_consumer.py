@@ -1,9 +1,9 @@
 """In the API server: the worker's MoE routing, counted in the ``sparseety:`` metrics and put into each record.
 
-:mod:`.routing_capture` (in vLLM's worker) sends ``["moe", {layers, experts, top_k}]`` at its first routed
-forward and ``["route", result]`` for every request when vLLM removes it, to API server 0's routing channel
+:mod:`.routing_capture` (in vLLM's worker) sends a :class:`.wire_messages.MoeShape` at its first routed
+forward and a :class:`.wire_messages.RouteResult` for every request when vLLM removes it, to API server 0's routing channel
 (:func:`.channels.routing_channel`). Each API server's :class:`RoutingConsumer` binds the PULL end of
-its own routing channel in a thread of its own; API server 0's forwards the results of requests another
+its own routing channel (a :class:`..transport.wire.WireInbox`); API server 0's forwards the results of requests another
 API server owns (the scheduler names the owner, ``--api-server-count > 1``) to that server's routing
 channel, marked as counted, after the model's shape. Every request is counted once, where it arrives first:
 
@@ -31,14 +31,17 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from sparseety.integrations.vllm.transport.channels import routing_channel
+from sparseety.integrations.vllm.transport.channels import forward_endpoint, routing_channel
 from sparseety.integrations.vllm.transport.metrics import P
 from sparseety.integrations.vllm.transport.record import VllmRun
+from sparseety.integrations.vllm.transport.wire import WireInbox, WireSender
+from sparseety.integrations.vllm.vllm_api.wire_messages import Message, MoeShape, RouteResult
 
 log = logging.getLogger("sparseety.vllm")
 
@@ -102,46 +105,47 @@ class RoutingConsumer:
         self.metrics = metrics
         self.owners = owners  #: API server 0: request id -> the API server that owns it (the scheduler's)
         self.expected = False  #: the served checkpoint is MoE (:func:`routing_expected`): wait for results
-        self._forward: dict[int, Any] = {}  #: API server -> PUSH to its routing channel
+        self._forward = WireSender(forward_endpoint(routing_channel))
+        self._shape_sent: set[int] = set()  #: API servers told the model's shape
         self.forwarded = 0
-        self.moe: dict[str, Any] | None = None  #: the worker's ``{layers, experts, top_k}`` (None: not MoE yet)
-        self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.moe: MoeShape | None = None  #: the worker's model shape (None: not MoE, or not heard yet)
+        self.results: OrderedDict[str, RouteResult] = OrderedDict()
         self.totals: np.ndarray | None = None  #: ``[layers, experts]`` over every request so far
         self.dropped = 0
-        self.bad = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self.endpoint:
-            self._thread = threading.Thread(target=self._run, name="sparseety-vllm-routing", daemon=True)
-            self._thread.start()
+        self.inbox = WireInbox(self.endpoint, {MoeShape: self.on_moe, RouteResult: self.on_route},
+                               name="routing", hwm=1000) if self.endpoint else None
+
+    @property
+    def bad(self) -> int:
+        """Frames counted and dropped: an unknown kind or version, a bad layout, a failed handler."""
+        return sum(v for k, v in self.inbox.counts.items() if k != "received") if self.inbox else 0
 
     # -- receiving -------------------------------------------------------------------------------------------
-    def receive(self, kind: str, body: Any) -> None:
-        """One message from the worker (what the receiving thread calls)."""
-        if kind == "moe":
-            self.moe = dict(body)
-        elif kind == "route":
-            if not body.get("counted"):
+    def on_moe(self, messages: list[MoeShape]) -> None:
+        self.moe = messages[-1]
+
+    def on_route(self, messages: list[RouteResult]) -> None:
+        """Requests' routing from the worker (or, forwarded and counted, from API server 0)."""
+        for body in messages:
+            if not body.counted:
                 self.count(body)
-            client = self.owners.pop(str(body["req_id"]), 0) if self.owners else 0
+            client = self.owners.pop(body.req_id, 0) if self.owners else 0
             if client > 0:
                 self._send(client, body)
-                return
+                continue
             with self._lock:
-                self.results[str(body["req_id"])] = body
+                self.results[body.req_id] = body
                 while len(self.results) > self.limit:
                     self.results.popitem(last=False)
                     self.dropped += 1
-        else:
-            self.bad += 1
 
-    def count(self, body: dict[str, Any]) -> None:
+    def count(self, body: RouteResult) -> None:
         """Count one request's routed tokens in the metrics (and the running totals the gauge reads)."""
-        layers = [int(x) for x in body["layers"]]
-        counts = np.frombuffer(body["counts"], dtype=np.int64).reshape(len(layers), int(body["experts"]))
+        layers = list(body.layers)
+        counts = np.frombuffer(body.counts, dtype=np.int64).reshape(len(layers), body.experts)
         if self.moe is None:
-            self.moe = {"layers": layers, "experts": int(body["experts"]), "top_k": int(body["top_k"])}
+            self.moe = MoeShape(body.layers, body.experts, body.top_k)
         self.totals = counts.copy() if self.totals is None or self.totals.shape != counts.shape else self.totals + counts
         m = self.metrics or routing_metrics()
         for row, layer in enumerate(layers):
@@ -150,62 +154,22 @@ class RoutingConsumer:
         for layer, value in zip(layers, imbalance(self.totals), strict=True):
             m.imbalance.labels(layer=str(layer)).set(value)
 
-    def _send(self, client: int, body: dict[str, Any]) -> None:
+    def _send(self, client: int, body: RouteResult) -> None:
         """Forward one counted result to API server ``client`` (after the model's shape, once)."""
-        import msgspec
-        import zmq
-
-        from sparseety.integrations.vllm.observe.importance_consumer import client_channel_of
-
-        sock = self._forward.get(client)
-        messages = [["route", {**body, "counted": True}]]
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(routing_channel(client_channel_of(client)))
-            self._forward[client] = sock
-            messages.insert(0, ["moe", self.moe])
-        try:
-            for message in messages:
-                sock.send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
-            self.forwarded += 1
-        except zmq.Again:
+        messages: list[Message] = [replace(body, counted=True)]
+        if client not in self._shape_sent and self.moe is not None:
+            self._shape_sent.add(client)
+            messages.insert(0, self.moe)
+        before = self._forward.dropped
+        self._forward.send(messages, client)
+        if self._forward.dropped > before:
             self.dropped += 1
-
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-
-        sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError:
-            log.exception("sparseety: cannot bind the routing channel %s", self.endpoint)
-            return
-        decode = msgspec.msgpack.Decoder().decode
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                try:
-                    kind, body = decode(sock.recv())
-                    self.receive(str(kind), body)
-                except Exception:
-                    self.bad += 1
-        finally:
-            sock.close(0)
-            if self.endpoint.startswith("ipc://"):
-                try:
-                    os.unlink(self.endpoint[len("ipc://"):])
-                except OSError:
-                    pass
+        else:
+            self.forwarded += 1
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2)
+        if self.inbox is not None:
+            self.inbox.close()
 
     # -- the finisher's side ---------------------------------------------------------------------------------
     def pending(self, internal_id: str, finished_at: float, now: float | None = None) -> bool:
@@ -218,7 +182,7 @@ class RoutingConsumer:
         with self._lock:
             return internal_id not in self.results
 
-    def take(self, internal_id: str) -> dict[str, Any] | None:
+    def take(self, internal_id: str) -> RouteResult | None:
         with self._lock:
             return self.results.pop(internal_id, None)
 
@@ -229,30 +193,32 @@ class RoutingConsumer:
             return None
         result = self.take(internal_id)
         if result is None:
-            return {"status": "lost", **(self.moe or {})}
-        layers = [int(x) for x in result["layers"]]
-        experts, k = int(result["experts"]), int(result["top_k"])
-        counts = np.frombuffer(result["counts"], dtype=np.int64).reshape(len(layers), experts)
+            shape = {"layers": list(self.moe.layers), "experts": self.moe.experts, "top_k": self.moe.top_k} \
+                if self.moe is not None else {}
+            return {"status": "lost", **shape}
+        layers = list(result.layers)
+        experts, k = result.experts, result.top_k
+        counts = np.frombuffer(result.counts, dtype=np.int64).reshape(len(layers), experts)
         info: dict[str, Any] = {
             "status": "counted", "layers": layers, "experts": experts, "top_k": k,
             "expert_tokens": counts.tolist(), "tokens": [int(c) // max(k, 1) for c in counts.sum(axis=1)],
             "load_imbalance": imbalance(counts),
         }
-        if "probs" in result:
+        if result.tier is not None:
             info.update(routed_arrays(run, result, layers, experts, k))
         return info
 
 
-def routed_arrays(run: VllmRun, result: dict[str, Any], layers: list[int], experts: int, k: int) -> dict[str, Any]:
+def routed_arrays(run: VllmRun, result: RouteResult, layers: list[int], experts: int, k: int) -> dict[str, Any]:
     """A sampled request's ``router.{layer}``, ``route.ids`` and ``route.weights`` arrays and its important
     tokens' ``experts``, over the positions it fed (prompt, then each output but the last); the ``moe``
     info it adds."""
-    width = int(result["width"])
+    width = result.width
     n_layers = len(layers)
-    probs = np.frombuffer(result["probs"], dtype=np.float32).reshape(n_layers, width, experts)
-    ids = np.frombuffer(result["ids"], dtype=np.int32).reshape(n_layers, width, k)
-    weights = np.frombuffer(result["weights"], dtype=np.float32).reshape(n_layers, width, k)
-    written = np.frombuffer(result["written"], dtype=np.uint8).astype(bool)
+    probs = np.frombuffer(result.probs, dtype=np.float32).reshape(n_layers, width, experts)
+    ids = np.frombuffer(result.ids, dtype=np.int32).reshape(n_layers, width, k)
+    weights = np.frombuffer(result.weights, dtype=np.float32).reshape(n_layers, width, k)
+    written = np.frombuffer(result.written, dtype=np.uint8).astype(bool)
     seen = len(run.prompt_ids) + max(len(run.output_ids), 1) - 1
 
     def fit(a: np.ndarray, fill: float) -> np.ndarray:
@@ -277,5 +243,5 @@ def routed_arrays(run: VllmRun, result: dict[str, Any], layers: list[int], exper
         order = np.argsort(-row, kind="stable")[:k]
         record.experts = [[int(e), float(row[e])] for e in order]
     computed = int(written[:seen].sum())
-    run.tier = max(int(run.tier), int(result.get("tier", 2)))
+    run.tier = max(int(run.tier), result.tier if result.tier is not None else 2)
     return {"status": "recorded", "positions": computed, "uncomputed_positions": seen - computed}

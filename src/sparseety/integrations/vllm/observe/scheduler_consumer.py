@@ -1,18 +1,19 @@
 """In the API server: what the engine core's scheduler hooks send, kept per request until it finishes.
 
-The scheduler hooks (:mod:`.plugin`) send ``[kind, records]`` messages over this API server's scheduler
-channel (:func:`.channels.client_channel`). :class:`SchedulerConsumer` binds its PULL end in a thread
-and hands each message to :class:`RequestTable`, which keeps, per vLLM internal request id:
+The scheduler hooks (:mod:`.engine_core_hooks`, :mod:`..evict.hooks`) send typed messages
+(:mod:`..vllm_api.wire_messages`) over this API server's scheduler channel (:func:`.channels.client_channel`).
+:class:`SchedulerConsumer` receives them on a :class:`..transport.wire.WireInbox` and hands each kind to its
+handler on :class:`RequestTable`, which keeps, per vLLM internal request id:
 
-- ``chunk``: ``[request id, first position, tokens]`` per prefill chunk -> :attr:`RequestTable.chunks`;
-- ``draft``: ``[request id, step, first position, draft ids, accepted]`` per verify step -> ``drafts``;
-- ``kv``: ``[request id, bytes, blocks]`` when vLLM frees the request's blocks -> ``kv_held`` (the peak);
-- ``owner``: ``[request id, API server]`` for requests another API server owns (API server 0 only) ->
-  ``owners`` (read by :class:`.importance_consumer.ImportanceConsumer` to forward important tokens);
-- ``window``: ``[request id, peak bytes, peak blocks, frees]`` when vLLM frees a request's blocks, with
-  ``frees`` ``[[computed tokens, group, blocks], ...]`` its sliding-window groups freed -> ``kv_held`` (the
-  peak) and ``window_frees``; ``groups``: the engine core's KV-cache groups (once per API server) ->
-  :attr:`RequestTable.groups` (:mod:`.window_frees`).
+- :class:`Chunk` per prefill chunk -> :attr:`RequestTable.chunks` ``(first position, tokens)``;
+- :class:`Draft` per verify step -> ``drafts``;
+- :class:`KVHeld` when vLLM frees the request's blocks -> ``kv_held`` (the peak);
+- :class:`Owner` for requests another API server owns (API server 0 only) -> ``owners`` (read by
+  :class:`.importance_consumer.ImportanceConsumer` to forward important tokens);
+- :class:`WindowPeak` when vLLM frees a request's blocks, with the blocks its sliding-window groups freed ->
+  ``kv_held`` (the peak) and ``window_frees``; :class:`Groups`: the engine core's KV-cache groups (once per API
+  server) -> :attr:`RequestTable.groups` (:mod:`.window_frees`);
+- :class:`EvictionRecord` when a request that evicted inside vLLM (or was refused) finished -> ``evictions``.
 
 Every table is bounded (``4 x SPARSEETY_QUEUE_SIZE`` requests); the oldest request goes first and is
 counted in :attr:`RequestTable.dropped`. The finisher takes a request's entries when it writes its record.
@@ -21,12 +22,21 @@ counted in :attr:`RequestTable.dropped`. The finisher takes a request's entries 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from typing import Any
 
+from sparseety.integrations.vllm.transport.wire import WireInbox
 from sparseety.integrations.vllm.vllm_api.messages import KVGroup
+from sparseety.integrations.vllm.vllm_api.wire_messages import (
+    Chunk,
+    Draft,
+    EvictionRecord,
+    Groups,
+    KVHeld,
+    Owner,
+    WindowPeak,
+)
 
 log = logging.getLogger("sparseety.vllm")
 
@@ -43,7 +53,7 @@ class RequestTable:
         self.owners: OrderedDict[str, list[int]] = OrderedDict()  #: ``[API server, start forwarded]``
         self.route_owners: OrderedDict[str, int] = OrderedDict()  #: API server, for the MoE routing's forward
         self.window_frees: OrderedDict[str, list[list[int]]] = OrderedDict()  #: ``[computed, group, blocks]``
-        self.evictions: OrderedDict[str, list] = OrderedDict()  #: ``on_evict``'s fields
+        self.evictions: OrderedDict[str, EvictionRecord] = OrderedDict()
         self.groups: list[KVGroup] | None = None  #: the KV-cache groups, from the first engine core that sent them
         self.dropped = 0  #: requests whose records were dropped (a table was full), or forwards that did not fit
 
@@ -57,68 +67,70 @@ class RequestTable:
             entry = table[req_id] = empty()
         return entry
 
-    def on_chunks(self, records: list) -> None:
-        for req_id, start, n in records:
-            self._entry(self.chunks, req_id, list).append((int(start), int(n)))
+    def on_chunks(self, records: list[Chunk]) -> None:
+        for r in records:
+            self._entry(self.chunks, r.req_id, list).append((r.start, r.tokens))
 
-    def on_drafts(self, records: list) -> None:
-        """``[request id, step, first position, draft ids, accepted]`` per verify step (``drafts`` hook)."""
-        for req_id, step, position, draft_ids, accepted in records:
-            self._entry(self.drafts, req_id, list).append(
-                (int(step), int(position), [int(t) for t in draft_ids], int(accepted)))
+    def on_drafts(self, records: list[Draft]) -> None:
+        for r in records:
+            self._entry(self.drafts, r.req_id, list).append((r.step, r.position, list(r.draft_ids), r.accepted))
 
-    def on_kv_blocks(self, records: list) -> None:
-        """``[request id, bytes, blocks]`` when vLLM freed a request's blocks (``kv-blocks`` hook): the peak."""
-        for req_id, nbytes, blocks in records:
-            held = self._entry(self.kv_held, req_id, lambda: [0, 0, 0])
-            held[0], held[1], held[2] = max(held[0], int(nbytes)), max(held[1], int(blocks)), int(nbytes)
+    def on_kv_blocks(self, records: list[KVHeld]) -> None:
+        """What a request held when vLLM freed its blocks: the peak, and (so far) its dense bytes."""
+        for r in records:
+            held = self._entry(self.kv_held, r.req_id, lambda: [0, 0, 0])
+            held[0], held[1], held[2] = max(held[0], r.bytes), max(held[1], r.blocks), r.bytes
 
-    def on_window(self, records: list) -> None:
-        """``[request id, peak bytes, peak blocks, frees]`` (``window`` hook): the peak, and the window frees."""
+    def on_window(self, records: list[WindowPeak]) -> None:
+        """A request's peak over the window checks, and the blocks its window groups freed (added to dense)."""
         groups = self.groups or []
-        for req_id, nbytes, blocks, frees in records:
-            held = self._entry(self.kv_held, req_id, lambda: [0, 0, 0])
-            held[0], held[1] = max(held[0], int(nbytes)), max(held[1], int(blocks))
-            held[2] += sum(int(n) * groups[int(g)].block_bytes for _, g, n in frees if int(g) < len(groups))
-            self._entry(self.window_frees, req_id, list).extend([int(c), int(g), int(n)] for c, g, n in frees)
+        for r in records:
+            held = self._entry(self.kv_held, r.req_id, lambda: [0, 0, 0])
+            held[0], held[1] = max(held[0], r.peak_bytes), max(held[1], r.peak_blocks)
+            held[2] += sum(f.blocks * groups[f.group].block_bytes for f in r.frees if f.group < len(groups))
+            self._entry(self.window_frees, r.req_id, list).extend([f.computed, f.group, f.blocks] for f in r.frees)
 
-    def on_evict(self, records: list) -> None:
-        """``[request id, policy, budget, evicted tokens per layer, freed blocks, compactions, peak tokens, evicted
-        slots, failure, refusal]`` when a request that evicted inside vLLM's KV cache finished (``kv-eviction`` hook;
-        the slots are rows of step, layer, kv head, position, score, recorded when the trace is at tier 1 or more),
-        or one whose eviction was refused (``refusal``: why; it was served dense)."""
-        for req_id, *fields in records:
-            self._entry(self.evictions, req_id, list)[:] = fields
+    def on_evict(self, records: list[EvictionRecord]) -> None:
+        """A request that evicted inside vLLM's KV cache finished (the slots recorded at tier 1 or more), or one
+        whose eviction was refused (it was served dense)."""
+        for r in records:
+            if len(self.evictions) >= self.limit and r.req_id not in self.evictions:
+                self.evictions.popitem(last=False)
+                self.dropped += 1
+            self.evictions[r.req_id] = r
 
     def take_eviction(self, internal_id: str) -> dict | None:
-        """A finished request's eviction inside vLLM's KV cache (None: it evicted nothing), forgetting it."""
-        fields = self.evictions.pop(internal_id, None)
-        if not fields:
+        """A finished request's eviction inside vLLM's KV cache as its record's ``extra_json.vllm.eviction`` (None:
+        it evicted nothing), forgetting it; ``slots`` (an :class:`.wire_messages.EvictedSlots`) is the finisher's."""
+        r = self.evictions.pop(internal_id, None)
+        if r is None:
             return None
-        policy, budget, evicted, freed, compactions, peak, slots, failure, refusal = fields
-        if refusal is not None:
-            return {"policy": str(policy), "refused": str(refusal)}
-        return {"policy": str(policy), "budget": int(budget), "evicted_tokens_per_layer": int(evicted),
-                "freed_blocks": int(freed), "compactions": int(compactions), "peak_tokens": int(peak),
-                "failure": failure, "slots": slots}
+        if r.refused is not None:
+            return {"policy": r.policy, "refused": r.refused}
+        return {"policy": r.policy, "budget": r.budget, "evicted_tokens_per_layer": r.evicted_tokens_per_layer,
+                "freed_blocks": r.freed_blocks, "compactions": r.compactions, "peak_tokens": r.peak_tokens,
+                "failure": r.failure, "slots": r.slots}
 
-    def on_groups(self, records: list) -> None:
-        """``[[-1, [[group, window, block bytes, kv heads, layers], ...]]]`` (once per engine core)."""
-        for _, groups in records:
+    def on_groups(self, records: list[Groups]) -> None:
+        """The engine core's KV-cache groups (the first engine core's stand)."""
+        for r in records:
             if self.groups is None:
-                self.groups = [KVGroup(group=int(g), window=int(w) if w else None, block_bytes=int(b),
-                                       kv_heads=int(h), layers=tuple(int(n) for n in layers))
-                               for g, w, b, h, layers in groups]
+                self.groups = list(r.groups)
 
-    def on_owners(self, records: list) -> None:
-        """``[request id, API server]`` for requests another API server owns (``owners``, API server 0)."""
-        for req_id, client in records:  # most are never sampled: the oldest simply go (not a loss)
-            self.owners.setdefault(str(req_id), [int(client), 0])
-            self.route_owners[str(req_id)] = int(client)
+    def on_owners(self, records: list[Owner]) -> None:
+        """Requests another API server owns (API server 0)."""
+        for r in records:  # most are never sampled: the oldest simply go (not a loss)
+            self.owners.setdefault(r.req_id, [r.client, 0])
+            self.route_owners[r.req_id] = r.client
             while len(self.owners) > self.limit:
                 self.owners.popitem(last=False)
             while len(self.route_owners) > self.limit:
                 self.route_owners.popitem(last=False)
+
+    def handlers(self) -> dict[type, Any]:
+        """The handler of each message kind of the scheduler channel."""
+        return {Chunk: self.on_chunks, Draft: self.on_drafts, KVHeld: self.on_kv_blocks, Owner: self.on_owners,
+                WindowPeak: self.on_window, Groups: self.on_groups, EvictionRecord: self.on_evict}
 
     def take(self, internal_id: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, list[int], int]],
                                               list[int] | None, list[list[int]]]:
@@ -128,48 +140,12 @@ class RequestTable:
 
 
 class SchedulerConsumer:
-    """The thread that binds this API server's scheduler channel and fills a :class:`RequestTable`."""
+    """The inbox of this API server's scheduler channel, filling a :class:`RequestTable`."""
 
-    def __init__(self, channel: str, table: RequestTable, stop: threading.Event) -> None:
+    def __init__(self, channel: str, table: RequestTable, stop: threading.Event | None = None) -> None:
         self.channel = channel
         self.table = table
-        self._stop = stop
-        self._handlers = {"chunk": table.on_chunks, "draft": table.on_drafts, "kv": table.on_kv_blocks,
-                          "owner": table.on_owners, "window": table.on_window, "groups": table.on_groups,
-                          "evict": table.on_evict}
-        self.thread = threading.Thread(target=self._run, name="sparseety-vllm-chunks", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-
-        sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.bind(self.channel)
-        except zmq.ZMQError:
-            log.exception("sparseety: cannot bind the prefill-chunk channel %s", self.channel)
-            return
-        decode = msgspec.msgpack.Decoder(tuple[str, list]).decode
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                kind, records = decode(sock.recv())
-                handler = self._handlers.get(kind)
-                if handler is not None:
-                    handler(records)
-        except Exception:
-            log.exception("sparseety: prefill-chunk receiver stopped")
-        finally:
-            sock.close(0)
-            if self.channel.startswith("ipc://"):
-                try:
-                    os.unlink(self.channel[len("ipc://"):])
-                except OSError:
-                    pass
+        self.inbox = WireInbox(channel, table.handlers(), name="scheduler")
 
     def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
+        self.inbox.close(timeout)

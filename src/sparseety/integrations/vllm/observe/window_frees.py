@@ -16,8 +16,8 @@ Null entries sit at the head of a table (vLLM frees from the oldest block on, an
 windowed group starts with null blocks), so each group keeps a running count of leading nulls and a step
 costs one comparison per group unless blocks were freed. When vLLM frees the request's blocks
 (finished, aborted or preempted; the ``kv-blocks`` hook), :meth:`WindowFrees.finish` takes a last peak
-and returns ``[request id, peak bytes, peak blocks, frees]`` with ``frees`` ``[[computed tokens, group,
-blocks], ...]``. Bytes of a block: its group's page size times the group's layers (as ``kv-blocks``).
+and returns a :class:`.wire_messages.WindowPeak` (request id, peak bytes, peak blocks, and the window
+frees: computed tokens, group, blocks). Bytes of a block: its group's page size times the group's layers (as ``kv-blocks``).
 This module imports neither vLLM nor torch; it reads vLLM's objects through :mod:`.adapter`.
 """
 
@@ -28,6 +28,7 @@ from typing import Any
 
 from sparseety.integrations.vllm.vllm_api import adapter
 from sparseety.integrations.vllm.vllm_api.messages import KVGroup
+from sparseety.integrations.vllm.vllm_api.wire_messages import Groups, WindowFree, WindowPeak
 
 
 @dataclass
@@ -37,7 +38,7 @@ class _Held:
     nulls: list[int]  #: per group: leading null entries of its table
     peak_blocks: int = 0
     peak_bytes: int = 0
-    frees: list[list[int]] = field(default_factory=list)  #: ``[computed tokens, group, blocks]``
+    frees: list[WindowFree] = field(default_factory=list)
 
 
 class WindowFrees:
@@ -93,17 +94,16 @@ class WindowFrees:
                 lead += 1
             held.nulls[g] = lead
             if lead > nulls[g]:
-                held.frees.append([int(computed), g, lead - nulls[g]])
+                held.frees.append(WindowFree(int(computed), g, lead - nulls[g]))
 
-    def finish(self, coordinator: Any, request_id: str) -> list | None:
-        """vLLM frees the request's blocks: its ``[request id, peak bytes, peak blocks, frees]`` (None when
-        it never held a block here)."""
+    def finish(self, coordinator: Any, request_id: str) -> WindowPeak | None:
+        """vLLM frees the request's blocks: its peak and window frees (None when it never held a block here)."""
         held = self._measure(coordinator, request_id, self.requests.get(request_id))
         self.requests.pop(request_id, None)
         if held is None:
             return None
-        return [request_id, held.peak_bytes, held.peak_blocks, held.frees]
+        return WindowPeak(request_id, held.peak_bytes, held.peak_blocks, tuple(held.frees))
 
-    def groups_record(self) -> list[list]:
-        """The KV-cache groups as sent to the API server: ``[group, window, block bytes, kv heads, layers]``."""
-        return [[g.group, g.window, g.block_bytes, g.kv_heads, list(g.layers)] for g in self.groups or ()]
+    def groups_message(self) -> Groups:
+        """The KV-cache groups, as the API server learns them."""
+        return Groups(tuple(self.groups or ()))

@@ -32,6 +32,8 @@ from sparseety.integrations.vllm.vllm_api.guards import guarded
 from sparseety.integrations.vllm.vllm_api.ids import external_id, layer_number
 from sparseety.integrations.vllm.vllm_api.messages import ImplShape
 from sparseety.integrations.vllm.transport.values import decimal_int
+from sparseety.integrations.vllm.transport.wire import WireSender
+from sparseety.integrations.vllm.vllm_api.wire_messages import CaptureStart, Message
 
 log = logging.getLogger("sparseety.vllm")
 HOOK_ROWS = "importance-rows"
@@ -39,28 +41,6 @@ HOOK_ATTENTION = "importance-attention"
 HOOK_FINISH = "importance-finish"
 SEND_HWM = 256
 SHARED_ENV = "SPARSEETY_IMPORTANCE_SHARED_BLOCKS"
-
-
-class _Sender:
-    """PUSH to the observer's importance channel, never blocking: a full queue drops and counts."""
-
-    def __init__(self, endpoint: str) -> None:
-        import msgspec
-        import zmq
-
-        self._zmq = zmq
-        self._socket = zmq.Context.instance().socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self._socket.setsockopt(zmq.LINGER, 2000)
-        self._socket.connect(endpoint)
-        self._encode = msgspec.msgpack.Encoder().encode
-        self.dropped = 0
-
-    def send(self, message: list) -> None:
-        try:
-            self._socket.send(self._encode(message), self._zmq.NOBLOCK)
-        except self._zmq.Again:
-            self.dropped += 1
 
 
 class WorkerCapture:
@@ -88,16 +68,16 @@ class WorkerCapture:
         self.layers = 0
         self.wrapped = False
         self.channel = os.environ.get("SPARSEETY_VLLM_CHANNEL")
-        self._sender: _Sender | None = None
-        self._sender_tried = False
+        self._sender: WireSender | None = None
 
-    def send(self, message: list) -> None:
+    def send(self, message: Message) -> None:
+        """Send ``message`` to API server 0's importance channel (non-blocking; nothing without a channel)."""
+        if not self.channel:
+            return
         if self._sender is None:
-            if self._sender_tried or not self.channel:
-                return
-            self._sender_tried = True
-            self._sender = _Sender(importance_channel(self.channel))
-        self._sender.send(message)
+            self._sender = WireSender(lambda _client: importance_channel(self.channel), hwm=SEND_HWM,
+                                      linger_ms=2000)
+        self._sender.send([message])
 
     @property
     def dropped(self) -> int:
@@ -122,7 +102,7 @@ class WorkerCapture:
                 forced or should_sample(external_id(req_id), self.rate)):
             capture = RequestCapture(req_id, tier=3 if forced else tier, mode=mode, prompt_len=known[0],
                                      layers=self.layers, grams=self.grams if mode == "output" else None)
-            self.send(["start", req_id])
+            self.send(CaptureStart(req_id))
         self.decisions[req_id] = capture
         return capture
 
@@ -168,7 +148,7 @@ class WorkerCapture:
     def finish(self, req_id: str) -> None:
         capture = self.decisions.pop(req_id, None)
         if capture is not None:
-            self.send(["done", capture.result()])
+            self.send(capture.result())
 
     # -- inside the attention backend -------------------------------------------------------------------------
     def layer(self, attn_layer: Any, query: Any, key: Any, value: Any) -> None:

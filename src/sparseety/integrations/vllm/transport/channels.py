@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 
 CHANNEL_ENV = "SPARSEETY_VLLM_CHANNEL"
 
@@ -35,3 +36,18 @@ def importance_channel(channel: str) -> str:
 def routing_channel(channel: str) -> str:
     """The worker-to-observer MoE routing endpoint next to the plugin's scheduler channel ``channel``."""
     return channel[: -len(".sock")] + "-routing.sock" if channel.endswith(".sock") else channel + "-routing"
+
+
+def client_channel_of(client: int) -> str | None:
+    """The scheduler channel API server ``client`` binds (None when the plugin set none)."""
+    base = os.environ.get(CHANNEL_ENV)
+    return client_channel(client, base) if base else None
+
+
+def forward_endpoint(beside: Callable[[str], str]) -> Callable[[int], str | None]:
+    """API server ``client`` -> its worker channel ``beside`` its scheduler channel (:func:`importance_channel`,
+    :func:`routing_channel`), or None without a plugin channel: where API server 0 forwards to."""
+    def endpoint(client: int) -> str | None:
+        base = client_channel_of(client)
+        return beside(base) if base else None
+    return endpoint

@@ -66,6 +66,9 @@ class VllmMetrics:
                                     registry=r)
         self.trace_dropped = Counter(P + "trace_records_dropped", "Trace records lost: a queue was full, "
                                      "or the record could not be built or written.", registry=r)
+        self.wire_dropped = Counter(P + "wire_frames_dropped", "Frames from vLLM's engine core or worker that an "
+                                    "API server dropped: an unknown kind or version, a layout that does not fit, "
+                                    "or a handler that failed.", ["channel", "reason"], registry=r)
         self.kv_events_dropped = Counter(P + "kv_events_dropped", "KV-cache changes dropped because a queue "
                                          "was full, or lost on the event stream.", registry=r)
 

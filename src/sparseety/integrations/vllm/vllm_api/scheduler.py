@@ -5,29 +5,30 @@ from __future__ import annotations
 from typing import Any
 
 from sparseety.integrations.vllm.vllm_api.messages import KVGroup
+from sparseety.integrations.vllm.vllm_api.wire_messages import Chunk, Draft, KVHeld, Owner
 
 
 # -- engine core: the scheduler ----------------------------------------------------------------------------
-def prefill_chunks(scheduler: Any, scheduler_output: Any) -> list[list]:
-    """``[request id, first position, tokens]`` per prompt chunk this step schedules (read before vLLM
+def prefill_chunks(scheduler: Any, scheduler_output: Any) -> list[Chunk]:
+    """A :class:`.wire_messages.Chunk` per prompt chunk this step schedules (read before vLLM
     advances ``num_computed_tokens``)."""
     chunks = []
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
         start = request.num_computed_tokens
         if start < request.num_prompt_tokens:
-            chunks.append([req_id, start, min(n, request.num_prompt_tokens - start)])
+            chunks.append(Chunk(req_id, int(start), int(min(n, request.num_prompt_tokens - start))))
     return chunks
 
 
-def owners_of(scheduler: Any, scheduler_output: Any, route: bool) -> list[list]:
-    """``[request id, client index]`` for the newly scheduled requests that an API server other than 0
+def owners_of(scheduler: Any, scheduler_output: Any, route: bool) -> list[Owner]:
+    """An :class:`.wire_messages.Owner` for the newly scheduled requests that an API server other than 0
     owns (none with one API server: one attribute read per new request)."""
     owners = []
     for new in scheduler_output.scheduled_new_reqs:
         client = client_of(scheduler.requests.get(new.req_id), route)
         if client > 0:
-            owners.append([new.req_id, client])
+            owners.append(Owner(new.req_id, client))
     return owners
 
 
@@ -51,8 +52,8 @@ def has_drafts(scheduler_output: Any) -> bool:
     return bool(scheduler_output.scheduled_spec_decode_tokens)
 
 
-def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> list[list]:
-    """``[request id, step, first position, draft ids, accepted]`` for each request that verified drafts in
+def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> list[Draft]:
+    """A :class:`.wire_messages.Draft` (request id, step, first position, draft ids, accepted) for each request that verified drafts in
     this step, read before vLLM's ``update_from_output`` appends the step's tokens.
 
     The drafts follow the request's last token: the first one stands at position ``request.num_tokens``
@@ -80,13 +81,13 @@ def drafts_of(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
         if row is None or row >= len(sampled) or not len(sampled[row]):
             continue
         accepted = max(len(sampled[row]) - per_step, 0)
-        records.append([req_id, int(request.num_output_tokens), int(request.num_tokens),
-                        [int(t) for t in draft_ids], int(accepted)])
+        records.append(Draft(req_id, int(request.num_output_tokens), int(request.num_tokens),
+                             tuple(int(t) for t in draft_ids), int(accepted)))
     return records
 
 
-def blocks_of(scheduler: Any, request: Any) -> list[list]:
-    """``[[request id, bytes, blocks]]``: the KV-cache blocks ``request`` holds now and their bytes (per KV
+def blocks_of(scheduler: Any, request: Any) -> list[KVHeld]:
+    """``[KVHeld(request id, bytes, blocks)]``: the KV-cache blocks ``request`` holds now and their bytes (per KV
     cache group: its blocks times its page size times its layers), from vLLM's own block tables. vLLM's
     null block (a sliding-window group's freed entries) is not held."""
     config = scheduler.kv_cache_config
@@ -98,7 +99,7 @@ def blocks_of(scheduler: Any, request: Any) -> list[list]:
         held = sum(1 for i in ids if i != null)
         blocks += held
         nbytes += held * int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
-    return [[request.request_id, nbytes, blocks]] if blocks else []
+    return [KVHeld(request.request_id, int(nbytes), int(blocks))] if blocks else []
 
 
 def coordinator_of(scheduler: Any) -> Any:
