@@ -16,7 +16,7 @@ only torch, transformers and kvpress and answers one JSON job per stdin line).
 
 Both tools get the same model (the safetensors folder SparSEEty converted the default model into), the
 same token ids (each case encoded once, here: passkey cases by ``sparseety.engine.encode_document``, RULER
-cases by ``sparseety.bench.ruler.encode_case`` with RULER's answer prefix), the same protocol (the context
+cases by ``sparseety.suites.ruler.encode_case`` with RULER's answer prefix), the same protocol (the context
 prefilled under the press/policy, the question fed uncompressed at its true positions, then a greedy
 answer) and the same scoring, done here on both sides' answers (passkey: the digits appear; RULER: the
 fraction of the expected items found). Pairs, each with its library's default options:
@@ -267,8 +267,8 @@ class KvpressWorker:
 def build_cases(args, tokenizer) -> list[dict]:
     """Every case of the run, encoded once: ``{"task", "length", "depth" | "index", "seed", "expected",
     "context_ids", "question_ids", "max_new_tokens", "label"}``."""
-    from sparseety.bench.passkey import QUESTION, make_cases, tokenizer_counter
-    from sparseety.bench.ruler import encode_case, make_ruler_cases
+    from sparseety.suites.passkey import QUESTION, make_cases, tokenizer_counter
+    from sparseety.suites.ruler import encode_case, make_ruler_cases
     from sparseety.engine import encode_document
 
     count = tokenizer_counter(tokenizer)
@@ -301,8 +301,8 @@ def build_cases(args, tokenizer) -> list[dict]:
 
 def score_case(case: dict, answer: str) -> float:
     """Passkey: 1.0 when the digits appear (``is_correct``); RULER: the fraction of expected items found."""
-    from sparseety.bench.passkey import is_correct
-    from sparseety.bench.ruler import score
+    from sparseety.suites.passkey import is_correct
+    from sparseety.suites.ruler import score
 
     if case["task"] == "passkey":
         return float(is_correct(case["expected"][0], answer))
@@ -322,7 +322,7 @@ def sparseety_side(engine, cases, name, ratio, options, threads):
     """The cases through SparSEEty's engine (long-document protocol) with policy ``name`` at ``ratio``."""
     import torch
 
-    from sparseety.bench.longdoc import answer_document
+    from sparseety.suites.longdoc import answer_document
     from sparseety.engine import EncodedInput
 
     torch.set_num_threads(threads)

@@ -132,8 +132,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from sparseety.bench import make_cases, tokenizer_counter
-    from sparseety.bench.passkey_run import answer_case
+    from sparseety.suites import make_cases, tokenizer_counter
+    from sparseety.suites.passkey_run import answer_case
     from sparseety.engine import SparseEngine
     from sparseety.models import DEFAULT_MODEL, load_model
 

@@ -82,8 +82,8 @@ def contexts(tokenizer, cases: int) -> dict[str, list[tuple[list[int], tuple[str
     (none for the docstring prompts)."""
     from benchmarks.learned_policy_bench import doc_sentences, training_case
 
-    from sparseety.bench.passkey import make_case, tokenizer_counter
-    from sparseety.bench.ruler import encode_case, make_ruler_case
+    from sparseety.suites.passkey import make_case, tokenizer_counter
+    from sparseety.suites.ruler import encode_case, make_ruler_case
     from sparseety.engine import encode_document
 
     count = tokenizer_counter(tokenizer)

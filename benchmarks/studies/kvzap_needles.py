@@ -79,8 +79,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from sparseety.training.kvzap_surrogate import Context, capture
-    from sparseety.bench.passkey import tokenizer_counter
-    from sparseety.bench.ruler import encode_case, make_ruler_case
+    from sparseety.suites.passkey import tokenizer_counter
+    from sparseety.suites.ruler import encode_case, make_ruler_case
     from sparseety.models import DEFAULT_MODEL
 
     engine, tokenizer, path, surrogate = shipped_surrogate()

@@ -7,7 +7,7 @@ Usage (from the repository root)::
         [--ruler-cases 1] [--seed 0] [--threads 1] [--out benchmarks/results/studies/value_aware.json] [--resume]
 
 The cases, encoding, protocol and scoring are ``sparseety bench passkey``'s and ``sparseety bench ruler``'s
-(:func:`sparseety.bench.passkey_run.answer_case`, :func:`sparseety.bench.ruler_run.answer_ruler_case`):
+(:func:`sparseety.suites.passkey_run.answer_case`, :func:`sparseety.suites.ruler_run.answer_ruler_case`):
 the context compressed by the policy at ``--ratio``, the question fed uncompressed, a greedy answer. One
 process and one model load answer every case under dense, then each policy plain and with
 ``value_aware=true`` (the two variants of a policy interleaved case by case, so load on this shared
@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from sparseety.bench.passkey import make_cases, tokenizer_counter
-    from sparseety.bench.passkey_run import answer_case
-    from sparseety.bench.ruler import make_ruler_cases
-    from sparseety.bench.ruler_run import answer_ruler_case
+    from sparseety.suites.passkey import make_cases, tokenizer_counter
+    from sparseety.suites.passkey_run import answer_case
+    from sparseety.suites.ruler import make_ruler_cases
+    from sparseety.suites.ruler_run import answer_ruler_case
     from sparseety.engine import SparseEngine
     from sparseety.models import load_model
 

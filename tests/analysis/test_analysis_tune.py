@@ -79,7 +79,7 @@ def test_answer_meets_and_one_step_below_does_not(tiny_engine, one_thread, polic
 def test_tune_passkey_searches_accuracy_over_the_cases(tiny_engine, one_thread):
     """The tiny model's vocabulary has no digits, so its accuracy is exactly 0 at every budget."""
     from sparseety.analysis.tune import tune_passkey
-    from sparseety.bench.passkey import make_cases
+    from sparseety.suites.passkey import make_cases
 
     cases = make_cases([60], [0.2, 0.8], seed=0)
     always = tune_passkey(tiny_engine, cases, "streaming", 0.0, max_new_tokens=3, min_budget=8, max_budget=40, step=8)

@@ -19,7 +19,7 @@ from sparseety.cli import app
 
 KILL_AFTER_SECOND_WRITE = textwrap.dedent("""
     import os, signal, sys
-    import sparseety.bench.resume as resume
+    import sparseety.suites.resume as resume
     from sparseety.cli import app
 
     real, calls = resume.write_document, [0]

@@ -13,7 +13,7 @@ from killed_bench import SPARSEETY, kill_after_first_case
 from tiny_models import build_model, build_tokenizer, prompt_ids
 from typer.testing import CliRunner
 
-from sparseety.bench.faithfulness import FRACTIONS, METHODS, counts, run_case, summarize
+from sparseety.suites.faithfulness import FRACTIONS, METHODS, counts, run_case, summarize
 from sparseety.cli import app
 from sparseety.engine import EncodedInput, SparseEngine
 from sparseety.policies import build_policy

@@ -11,7 +11,7 @@ import torch
 from tiny_models import build_model, build_tokenizer, prompt_ids
 from typer.testing import CliRunner
 
-from sparseety.bench.faithfulness import LEARNED, METHODS, add_learned, counts, run_case, summarize
+from sparseety.suites.faithfulness import LEARNED, METHODS, add_learned, counts, run_case, summarize
 from sparseety.cli import app
 from sparseety.engine import EncodedInput, SparseEngine
 from sparseety.extract.head_weights import HeadWeights

@@ -7,7 +7,7 @@ from itertools import accumulate
 
 import pytest
 
-from sparseety.bench.passkey import (
+from sparseety.suites.passkey import (
     LICENSE_DIR,
     NEEDLE,
     is_correct,

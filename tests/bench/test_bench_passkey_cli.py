@@ -9,7 +9,7 @@ import matplotlib.image
 import pytest
 from typer.testing import CliRunner
 
-from sparseety.bench.passkey import is_correct
+from sparseety.suites.passkey import is_correct
 from sparseety.cli import app
 
 

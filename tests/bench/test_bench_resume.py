@@ -81,7 +81,7 @@ def test_a_changed_policy_file_is_never_reused_on_resume(args: list[str], tmp_pa
 
 
 def test_previous_run_compares_the_recorded_contents(tmp_path: Path):
-    from sparseety.bench.resume import input_contents, previous_run
+    from sparseety.suites.resume import input_contents, previous_run
     from sparseety.errors import InputError
 
     text = tmp_path / "a.txt"

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from sparseety.bench.ruler import (
+from sparseety.suites.ruler import (
     MAX_NEW_TOKENS,
     NIAH_PREAMBLE,
     TASKS,
@@ -121,7 +121,7 @@ def test_scoring_is_recall_of_whole_items():
 
 
 def test_encoding_keeps_question_and_prefix_out_of_the_compressed_part(smollm):
-    from sparseety.bench.ruler import encode_case
+    from sparseety.suites.ruler import encode_case
 
     _, tokenizer = smollm
     case = make_ruler_case("niah_single", 300, 0, seed=0)

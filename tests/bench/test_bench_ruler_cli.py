@@ -13,7 +13,7 @@ from killed_bench import SPARSEETY, kill_after_first_case
 from tiny_models import build_model, build_tokenizer
 from typer.testing import CliRunner
 
-from sparseety.bench.ruler import score
+from sparseety.suites.ruler import score
 from sparseety.cli import app
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from tiny_models import build_model, build_tokenizer  # noqa: E402
 
 import sparseety.models  # noqa: E402
-from sparseety.bench.resume import write_document  # noqa: E402
+from sparseety.suites.resume import write_document  # noqa: E402
 from sparseety.cli import app  # noqa: E402
 from sparseety.errors import InputError, OutputSavedElsewhere  # noqa: E402
 from sparseety.extract.head_weights import read_head_weights  # noqa: E402

@@ -94,8 +94,8 @@ def test_serve_answers_completions_and_refuses_chat_clearly(gemma_engine, gemma_
 
 
 def test_bench_passkey_asks_a_base_model_with_an_answer_prefix(gemma_engine):
-    from sparseety.bench.passkey import make_case, tokenizer_counter
-    from sparseety.bench.passkey_run import answer_case
+    from sparseety.suites.passkey import make_case, tokenizer_counter
+    from sparseety.suites.passkey_run import answer_case
 
     case = make_case(700, 0.5, seed=0, count_tokens=tokenizer_counter(gemma_engine.tokenizer))
     result = answer_case(gemma_engine, case, "dense", 0.0, max_new_tokens=10)

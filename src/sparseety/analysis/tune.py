@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import ConfigError
 
 if TYPE_CHECKING:
-    from sparseety.bench.passkey import PasskeyCase
+    from sparseety.suites.passkey import PasskeyCase
     from sparseety.engine import EncodedInput, SparseEngine
 
 #: metric -> (higher is better, smallest valid threshold, largest valid threshold)
@@ -207,7 +207,7 @@ def tune_passkey(engine: SparseEngine, cases: Sequence[PasskeyCase], policy: str
     """Search the budget of ``policy`` by passkey accuracy over ``cases`` (long-document protocol);
     ``engine_options`` (``prune``, ``attention_topk``) apply beside the policy; ``known`` and
     ``on_point`` as in :func:`tune_fidelity`."""
-    from sparseety.bench.passkey import QUESTION, is_correct
+    from sparseety.suites.passkey import QUESTION, is_correct
     from sparseety.engine import encode_document
     from sparseety.policies import build_policy
 

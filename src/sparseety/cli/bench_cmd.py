@@ -48,9 +48,9 @@ def passkey_cmd(
     threads: int | None = opt.THREADS_OPT,
 ) -> None:
     """Hide a pass key in license text at each length and depth; ask for it with the context compressed."""
-    from sparseety.bench import PasskeyReport, PasskeyResult, make_cases, run_passkey, tokenizer_counter
-    from sparseety.bench.passkey_plot import plot_passkey
-    from sparseety.bench.passkey_run import plan_cases
+    from sparseety.suites import PasskeyReport, PasskeyResult, make_cases, run_passkey, tokenizer_counter
+    from sparseety.suites.passkey_plot import plot_passkey
+    from sparseety.suites.passkey_run import plan_cases
     from sparseety.cli.bench_common import (check_policies, finished_results, parse_lengths, parse_ratios,
                                             policy_file_inputs, policy_options_by_name, saving_each,
                                             write_complete)

@@ -46,8 +46,8 @@ def policy_options_by_name(items: Sequence[str], names: Sequence[str]) -> dict[s
 
 def policy_file_inputs(options: dict[str, dict[str, str]]) -> dict[str, str]:
     """``{path: sha256}`` of the files the policies read (``model=FILE`` of ``learned`` and ``kvzap``), for the
-    resume key: a file whose contents changed is never reused (see :mod:`sparseety.bench.resume`)."""
-    from sparseety.bench.resume import input_contents
+    resume key: a file whose contents changed is never reused (see :mod:`sparseety.suites.resume`)."""
+    from sparseety.suites.resume import input_contents
 
     return input_contents((f"--policy-opt {name}:model", Path(opts["model"])) for name, opts in options.items()
                           if opts.get("model"))
@@ -67,10 +67,10 @@ def finished_results(target: Path, kind: str, settings: dict[str, Any], row_type
                      resume: bool) -> list[R]:
     """The results an unfinished run at ``target`` already has (``resume``), or none to start afresh.
 
-    Refuses (see :func:`sparseety.bench.resume.previous_run`) other settings on ``--resume``, or an
+    Refuses (see :func:`sparseety.suites.resume.previous_run`) other settings on ``--resume``, or an
     unfinished run at ``target`` without it.
     """
-    from sparseety.bench.resume import previous_run
+    from sparseety.suites.resume import previous_run
 
     before = previous_run(target, kind, settings, resume=resume)
     try:
@@ -85,7 +85,7 @@ def saving_each(target: Path, settings: dict[str, Any], *, total: int, what: str
                 quiet: bool = False) -> Iterator[Callable[[R], None]]:
     """Yield the ``on_result`` callback of a run: it rewrites ``target`` (``"complete": false``) with every
     result so far and reports one progress step (``describe(row)``) on stderr."""
-    from sparseety.bench.resume import write_document
+    from sparseety.suites.resume import write_document
     from sparseety.cli.progress import steps
 
     kept = list(finished)
@@ -100,7 +100,7 @@ def saving_each(target: Path, settings: dict[str, Any], *, total: int, what: str
 
 def write_complete(target: Path, document: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """Write the finished document (``"complete": true``) and return it."""
-    from sparseety.bench.resume import write_document
+    from sparseety.suites.resume import write_document
 
     done = {**document, "complete": True, "run": settings}
     write_document(target, done)

@@ -38,7 +38,7 @@ def faithfulness_cmd(
         "(default: the weights shipped for --model, if any; else no learned method)."),
 ) -> None:
     """Delete each ranking's top 1/5/10/20% of prompt tokens: how much does log p(answer) drop?"""
-    from sparseety.bench.faithfulness import (
+    from sparseety.suites.faithfulness import (
         FRACTIONS,
         LEARNED,
         FaithfulnessCase,
@@ -46,8 +46,8 @@ def faithfulness_cmd(
         report_document,
         run_faithfulness,
     )
-    from sparseety.bench.faithfulness_prompts import default_texts, make_prompts, read_passage_text
-    from sparseety.bench.resume import input_contents, write_document
+    from sparseety.suites.faithfulness_prompts import default_texts, make_prompts, read_passage_text
+    from sparseety.suites.resume import input_contents, write_document
     from sparseety.cli.bench_common import finished_results, saving_each, write_complete
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError

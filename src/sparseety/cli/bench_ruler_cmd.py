@@ -45,11 +45,11 @@ def ruler_cmd(
     threads: int | None = THREADS_OPT,
 ) -> None:
     """Generate RULER-style cases from license text; answer each with the context compressed, the question not."""
-    from sparseety.bench.ruler import TASKS, make_ruler_cases
-    from sparseety.bench.ruler_plot import plot_ruler
-    from sparseety.bench.ruler_run import RulerReport, RulerResult, run_ruler
-    from sparseety.bench.longdoc import plan_runs
-    from sparseety.bench.passkey import tokenizer_counter
+    from sparseety.suites.ruler import TASKS, make_ruler_cases
+    from sparseety.suites.ruler_plot import plot_ruler
+    from sparseety.suites.ruler_run import RulerReport, RulerResult, run_ruler
+    from sparseety.suites.longdoc import plan_runs
+    from sparseety.suites.passkey import tokenizer_counter
     from sparseety.cli.bench_common import (check_policies, finished_results, parse_ratios, policy_file_inputs,
                                             policy_options_by_name, saving_each, write_complete)
     from sparseety.engine import SparseEngine

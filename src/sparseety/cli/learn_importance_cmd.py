@@ -36,7 +36,7 @@ def learn_importance_cmd(
 ) -> None:
     """Measure how much deleting prompt tokens hurts each training answer, and fit one non-negative weight per
     (layer, head) so that the weighted attention scores predict it (AT2, arXiv 2504.13752)."""
-    from sparseety.bench.faithfulness_prompts import make_prompts, read_passage_text
+    from sparseety.suites.faithfulness_prompts import make_prompts, read_passage_text
     from sparseety.cli.progress import steps as progress_steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError

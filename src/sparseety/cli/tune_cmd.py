@@ -57,7 +57,7 @@ def tune_cmd(
 ) -> None:
     """Bisect the budget: evaluate the policy at a few budgets and print the curve and the smallest one that meets the bar."""
     from sparseety.analysis.tune import TunePoint, TuneResult, check_metric, check_tunable, tune_fidelity, tune_passkey
-    from sparseety.bench.resume import input_contents, previous_run, write_document
+    from sparseety.suites.resume import input_contents, previous_run, write_document
     from sparseety.cli.progress import Steps, steps
     from sparseety.engine import SparseEngine
     from sparseety.errors import ConfigError, InputError
@@ -120,7 +120,7 @@ def tune_cmd(
                       max_budget=max_budget, step=step, seed=seed, known=known, on_point=keep,
                       engine_options={"prune": inputs.prune_for(engine.num_layers), "attention_topk": attention_topk})
         if metric == "passkey":
-            from sparseety.bench import make_cases, tokenizer_counter
+            from sparseety.suites import make_cases, tokenizer_counter
 
             cases = make_cases(length_list, depth_list, seed, tokenizer_counter(tokenizer))
             result = tune_passkey(engine, cases, policy, threshold, chat=chat, **search)

@@ -1,6 +1,6 @@
 """Fit ``--importance learned``'s head weights, in the manner of AT2 (Cohen-Wang et al., 2025, arXiv 2504.13752).
 
-For each training prompt (a passage plus a question, :func:`sparseety.bench.faithfulness_prompts.make_prompts`)
+For each training prompt (a passage plus a question, :func:`sparseety.suites.faithfulness_prompts.make_prompts`)
 and its dense greedy answer ``a``:
 
 * features ``X[l, h, j]``: head ``h`` of layer ``l``'s score of prompt position ``j`` summed over the
@@ -82,7 +82,7 @@ def deletion_masks(n: int, ablations: int, rng: random.Random) -> torch.Tensor:
 def training_prompt(engine: SparseEngine, title: str, prompt: Sequence[int], *, feature: str, ablations: int,
                     max_new_tokens: int, seed: int) -> TrainingPrompt:
     """Features, masks and measured drops of one prompt (its dense greedy answer the target)."""
-    from sparseety.bench.faithfulness import answer_logprob, leave_one_out, plain_attention
+    from sparseety.suites.faithfulness import answer_logprob, leave_one_out, plain_attention
 
     n = len(prompt)
     if n < 3:

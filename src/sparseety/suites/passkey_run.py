@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparseety.bench.longdoc import DENSE, answer_document, mean_by, plan_runs, run_plan
-from sparseety.bench.passkey import ANSWER_PREFIX, QUESTION, PasskeyCase, is_correct
+from sparseety.suites.longdoc import DENSE, answer_document, mean_by, plan_runs, run_plan
+from sparseety.suites.passkey import ANSWER_PREFIX, QUESTION, PasskeyCase, is_correct
 
 if TYPE_CHECKING:
     from sparseety.engine import SparseEngine

@@ -1,6 +1,6 @@
 """Benchmarks of sparse policies: passkey retrieval from real license text."""
 
-from sparseety.bench.passkey import (
+from sparseety.suites.passkey import (
     QUESTION,
     PasskeyCase,
     is_correct,
@@ -8,7 +8,7 @@ from sparseety.bench.passkey import (
     make_cases,
     tokenizer_counter,
 )
-from sparseety.bench.passkey_run import (
+from sparseety.suites.passkey_run import (
     PasskeyReport,
     PasskeyResult,
     answer_case,

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sparseety.bench.passkey_plot import draw_by_ratio
+from sparseety.suites.passkey_plot import draw_by_ratio
 
 
 def plot_ruler(document: dict[str, Any], path: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """Run RULER-style cases through the long-document protocol for each policy and ratio, and tabulate recall.
 
-The same plan, resume and answer code as ``bench passkey`` (:mod:`sparseety.bench.longdoc`); only the cases,
+The same plan, resume and answer code as ``bench passkey`` (:mod:`sparseety.suites.longdoc`); only the cases,
 their encoding (question plus RULER's answer prefix) and the scoring (recall of the expected items) differ.
 """
 
@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparseety.bench.longdoc import DENSE, answer_document, mean_by, plan_runs, run_plan
-from sparseety.bench.ruler import RulerCase, encode_case, score
+from sparseety.suites.longdoc import DENSE, answer_document, mean_by, plan_runs, run_plan
+from sparseety.suites.ruler import RulerCase, encode_case, score
 
 if TYPE_CHECKING:
     from sparseety.engine import SparseEngine
@@ -78,7 +78,7 @@ def answer_ruler_case(engine: SparseEngine, case: RulerCase, policy_name: str, r
                       engine_options: dict[str, Any] | None = None) -> RulerResult:
     """Ask ``case``'s question with its context compressed by ``policy_name`` at ``ratio``; score the answer.
 
-    ``max_new_tokens`` None: the task's own limit (:data:`sparseety.bench.ruler.MAX_NEW_TOKENS`).
+    ``max_new_tokens`` None: the task's own limit (:data:`sparseety.suites.ruler.MAX_NEW_TOKENS`).
     """
     encoded = encode_case(engine.tokenizer, case, chat)
     answer = answer_document(engine, encoded, policy_name, ratio, options=options,

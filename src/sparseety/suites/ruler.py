@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
-from sparseety.bench.passkey import corpus_sentences, take_sentences, word_count
+from sparseety.suites.passkey import corpus_sentences, take_sentences, word_count
 from sparseety.errors import ConfigError, InputError
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
