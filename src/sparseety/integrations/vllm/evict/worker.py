@@ -221,7 +221,11 @@ class WorkerEviction:
         """Keep ``order.kept`` of the request's slots in every layer, in place, and cut its blocks."""
         request = self.requests.get(order.rid)
         block_lists = adapter.request_blocks(runner, order.rid)
-        if request is None or block_lists is None:
+        if block_lists is None:  # not in this worker's batch: no block table to cut
+            return
+        if request is None:  # never decided (its plan failed): keep the oldest slots, but the freed blocks go
+            self._cut(runner, order.rid, order.kept)
+            self.failed.setdefault(order.rid, "the worker never followed its policy; it keeps its oldest slots")
             return
         self.ensure_layers(runner)
         assert self.groups is not None

@@ -104,6 +104,18 @@ def evicting_peak(held: list[int] | None, eviction: dict[str, Any], block_size: 
     return [peak_blocks * per_block, peak_blocks, dense_blocks * per_block]
 
 
+def _own_part(c: FinishedRequest, part: str, attach: Any, *args: Any, result: bool = False) -> Any:
+    """``attach(*args)``: one part of ``c``'s record, whose failure costs that part only, never the record
+    (``{"status": "failed", "error"}`` instead; logged). ``result``: return what ``attach`` returned."""
+    try:
+        out = attach(*args)
+        return out if result else None
+    except Exception as e:
+        log.exception("sparseety: the %s of request %s could not be recorded; the rest of its record is kept",
+                      part, c.request_id)
+        return {"status": "failed", "error": f"{type(e).__name__}: {e}"[:400]}
+
+
 class Finisher:
     """Writes each finished request's record (in the observer's worker thread)."""
 
@@ -152,7 +164,9 @@ class Finisher:
                 m.evicted_freed_blocks.labels(**labels).inc(evicted["freed_blocks"])
                 if evicted["failure"] is not None:
                     m.eviction_failures.labels(**labels).inc()
-                held = evicting_peak(held, evicted, self.sink.block_size, len(c.prompt_ids) + len(c.output_ids))
+                # the KV written: prompt and every output but the last (never fed), as vLLM's block table and the own engine
+                held = evicting_peak(held, evicted, self.sink.block_size,
+                                     len(c.prompt_ids) + max(len(c.output_ids), 1) - 1)
         groups = self.table.groups or []
         window = freed(groups, frees, len(c.prompt_ids)) if frees or layer_windows(groups) else None
         if window is not None:
@@ -186,13 +200,16 @@ class Finisher:
         )
         if evicted is not None:
             shape = (sum(len(g.layers) for g in groups), groups[0].kv_heads) if groups else None
-            _attach_evictions(run, evicted, sequence, tier, shape)
+            failed = _own_part(c, "evicted slots", _attach_evictions, run, evicted, sequence, tier, shape)
+            if failed is not None:  # the record keeps its counts; only the slots are lost
+                evicted.pop("slots", None)
+                evicted["slots_error"] = failed["error"]
         if tier >= 2:
             info["importance"] = self.importance.attach(
                 run, c, decode=not sink.settings.ids_only, tokenizer_path=sink.tokenizer_path or sink.config.get(
                     "model_path"))
         if self.routing is not None:
-            moe = self.routing.attach(run, c.internal_id)
+            moe = _own_part(c, "expert routing", self.routing.attach, run, c.internal_id, result=True)
             if moe is not None:
                 info["moe"] = moe
         sink.submit(run, {"vllm": info})

@@ -87,7 +87,7 @@ class RequestTable:
         for r in records:
             held = self._entry(self.kv_held, r.req_id, lambda: [0, 0, 0])
             held[0], held[1] = max(held[0], r.peak_bytes), max(held[1], r.peak_blocks)
-            held[2] += sum(f.blocks * groups[f.group].block_bytes for f in r.frees if f.group < len(groups))
+            held[2] += sum(f.blocks * groups[f.group].block_bytes for f in r.frees if 0 <= f.group < len(groups))
             self._entry(self.window_frees, r.req_id, list).extend([f.computed, f.group, f.blocks] for f in r.frees)
 
     def on_evict(self, records: list[EvictionRecord]) -> None:

@@ -56,7 +56,7 @@ def freed(groups: list[KVGroup], frees: list[list[int]], prompt_len: int) -> dic
     rows = []
     for computed, group, blocks in frees:
         step = 0 if computed < prompt_len else computed - prompt_len + 1
-        rows.append([step, group, blocks, blocks * groups[group].block_bytes if group < len(groups) else 0])
+        rows.append([step, group, blocks, blocks * groups[group].block_bytes if 0 <= group < len(groups) else 0])
     return {
         "layers": {str(layer): w for layer, w in sorted(layer_windows(groups).items())},
         "freed_blocks": sum(r[2] for r in rows),

@@ -88,14 +88,15 @@ class WireSender:
         sock = None
         endpoint = self._endpoint(client)
         if endpoint:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
             try:
-                sock = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
                 sock.setsockopt(zmq.LINGER, self._linger)
                 sock.connect(endpoint)
             except zmq.ZMQError as e:
                 log.warning("sparseety: cannot open a channel to %s (%s); what goes there is dropped and counted",
                             endpoint, e)
+                sock.close(0)
                 sock = None
         self._sockets[client] = sock
         return sock
@@ -113,6 +114,13 @@ class WireSender:
                 self.sent += count
             except zmq.Again:
                 self.dropped += count
+
+    def close(self) -> None:
+        """Close every socket (frames still queued go within the linger time)."""
+        for sock in self._sockets.values():
+            if sock is not None:
+                sock.close()
+        self._sockets.clear()
 
 
 class WireInbox:
@@ -139,8 +147,11 @@ class WireInbox:
             handler = self.handlers.get(type(messages[0])) if messages else None
         except WireError as e:
             return self._drop(e.reason, str(e))
+        if not messages:
+            self.counts["received"] += 1
+            return True
         if handler is None:
-            return self._drop("unknown", f"no handler for {type(messages[0]).__name__}") if messages else True
+            return self._drop("unknown", f"no handler for {type(messages[0]).__name__}")
         try:
             handler(messages)
         except Exception as e:
@@ -159,7 +170,7 @@ class WireInbox:
         if reason not in self._logged:  # one line per reason and channel, then only counted
             self._logged.add(reason)
             log.warning("sparseety: the %s channel dropped a frame (%s; later ones are counted in "
-                        "sparseety:wire_frames_dropped{channel=%r, reason=%r})", self.name, why, self.name, reason)
+                        "sparseety:wire_frames_dropped_total{channel=%r, reason=%r})", self.name, why, self.name, reason)
         return False
 
     def _run(self) -> None:

@@ -119,6 +119,10 @@ class EvictedSlots:
         """One table of ``parts``, in their order."""
         return cls(*(tuple(x for p in parts for x in getattr(p, name)) for name in _SLOT_COLUMNS))
 
+    def __post_init__(self) -> None:
+        if len({len(getattr(self, name)) for name in _SLOT_COLUMNS}) > 1:
+            raise ValueError("evicted-slot columns of different lengths")
+
     def __len__(self) -> int:
         return len(self.position)
 
@@ -194,6 +198,12 @@ class ImportanceResult:
     unscored: tuple[int, ...] = ()
     shared: int = 0  #: positions read from the prefix cache whose keys an earlier sampled request computed
 
+    def __post_init__(self) -> None:
+        floats = self.layers * self.width * 4
+        if self.layers < 0 or self.width < 0 or len(self.sums) != floats or (
+                self.attention is not None and len(self.attention) != floats):
+            raise ValueError(f"sums of {len(self.sums)} bytes for {self.layers} layers x {self.width} positions")
+
 
 @dataclass(frozen=True)
 class MoeShape:
@@ -227,6 +237,16 @@ class RouteResult:
     weights: bytes = b""
     written: bytes = b""
     counted: bool = False
+
+    def __post_init__(self) -> None:
+        layers, width = len(self.layers), self.width
+        sizes = {"counts": (self.counts, 8 * layers * self.experts)}
+        if self.tier is not None:
+            sizes.update(probs=(self.probs, 4 * layers * width * self.experts), ids=(self.ids, 4 * layers * width * self.top_k),
+                         weights=(self.weights, 4 * layers * width * self.top_k), written=(self.written, width))
+        for name, (raw, size) in sizes.items():
+            if len(raw) != size:
+                raise ValueError(f"{name} of {len(raw)} bytes, {size} expected for its shape")
 
 
 Message = (Chunk | Owner | Draft | KVHeld | WindowPeak | Groups | EvictionRecord | CaptureStart | ImportanceResult
