@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_server import VllmServer, require_vllm
+from vllm_server import VllmServer, require_vllm, start_side_by_side
 
 pytestmark = pytest.mark.model
 
@@ -94,7 +94,9 @@ def fault_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, fault_file):
+def servers(tmp_path_factory, fault_file):
+    """The module's two servers, started side by side: one that evicts (with the fault injector) and one that
+    does not (:func:`plain`)."""
     require_vllm()
     from sparseety.models.registry import resolve_model_dir
 
@@ -105,12 +107,22 @@ def server(tmp_path_factory, fault_file):
     env = {"SPARSEETY_KV_POLICY": "dense", "SPARSEETY_KV_BUDGET": str(BUDGET), "SPARSEETY_KV_INTERVAL": "1",
            "SPARSEETY_TIER": "2", "SPARSEETY_IMPORTANCE": "off", "SPARSEETY_TEST_FAULT_FILE": str(fault_file),
            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log", extra_env=env,
-                     speculative=False).start()
+    evicting = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log", extra_env=env,
+                          speculative=False)
+    other = tmp_path_factory.mktemp("no-eviction")
+    plain = VllmServer(resolve_model_dir("smollm2-135m"), other / "traces", other / "vllm.log", speculative=False,
+                       extra_env={"SPARSEETY_KV_POLCY": "tova"})
+    start_side_by_side(evicting, plain)
     try:
-        yield srv
+        yield evicting, plain
     finally:
-        srv.stop()
+        evicting.stop()
+        plain.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def xargs(policy: str) -> dict:
@@ -246,17 +258,8 @@ def test_what_only_the_engine_can_refuse_is_served_dense_recorded_and_counted(se
 
 # -- a server that does not evict ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    require_vllm()
-    from sparseety.models.registry import resolve_model_dir
-
-    base = tmp_path_factory.mktemp("no-eviction")
-    srv = VllmServer(resolve_model_dir("smollm2-135m"), base / "traces", base / "vllm.log", speculative=False,
-                     extra_env={"SPARSEETY_KV_POLCY": "tova"}).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def plain(servers):
+    return servers[1]
 
 
 def test_a_server_that_does_not_evict_refuses_eviction_args(plain):

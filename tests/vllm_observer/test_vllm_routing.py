@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm_server import VllmServer, require_vllm, wait_for_vllm_rows
+from vllm_server import VllmServer, require_vllm, start_side_by_side, wait_for_vllm_rows
 
 from sparseety.store import connect
 from sparseety.store.reader import load_trace
@@ -35,15 +35,28 @@ LAYERS = 30
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory):
+    """The module's two servers, started side by side: one API server, and two (:func:`two_api_servers`)."""
     require_vllm()
     from sparseety.models.registry import resolve_model_dir
 
-    base = tmp_path_factory.mktemp("vllm-routing")
-    srv = VllmServer(resolve_model_dir("smollm2-moe"), base / "traces", base / "vllm.log", speculative=False,
-                     extra_env={"SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_TIER": "2"}).start()
-    yield srv
-    srv.stop()
+    env = {"SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_TIER": "2"}
+    base, api = tmp_path_factory.mktemp("vllm-routing"), tmp_path_factory.mktemp("vllm-routing-api")
+    one = VllmServer(resolve_model_dir("smollm2-moe"), base / "traces", base / "vllm.log", speculative=False,
+                     extra_env=env)
+    two = VllmServer(resolve_model_dir("smollm2-moe"), api / "traces", api / "vllm.log", speculative=False,
+                     extra_env=env, extra_args=["--api-server-count", "2"])
+    start_side_by_side(one, two)
+    try:
+        yield one, two
+    finally:
+        one.stop()
+        two.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -165,18 +178,10 @@ def test_counters_equal_the_routed_tokens_and_batching_routes_alike(server):
 
 
 @pytest.fixture(scope="module")
-def two_api_servers(tmp_path_factory):
+def two_api_servers(servers):
     """``smollm2-moe`` behind two API servers (vLLM's CPU build runs MoE with one data-parallel rank only:
     with two, its expert dispatch needs ``all_gatherv``, which the CPU communicator lacks)."""
-    require_vllm()
-    from sparseety.models.registry import resolve_model_dir
-
-    base = tmp_path_factory.mktemp("vllm-routing-api")
-    srv = VllmServer(resolve_model_dir("smollm2-moe"), base / "traces", base / "vllm.log", speculative=False,
-                     extra_env={"SPARSEETY_SAMPLE_RATE": "1", "SPARSEETY_TIER": "2"},
-                     extra_args=["--api-server-count", "2"]).start()
-    yield srv
-    srv.stop()
+    return servers[1]
 
 
 def test_every_api_server_records_its_requests_routing_counted_once(two_api_servers):

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from test_vllm_importance import TOP, assert_same_ranking
-from vllm_server import VllmServer, require_vllm
+from vllm_server import VllmServer, require_vllm, start_side_by_side
 
 from sparseety.store import connect
 
@@ -37,22 +37,20 @@ def _server(base, name: str, extra_args: list[str], extra_env: dict[str, str] | 
     from sparseety.models.registry import resolve_model_dir
 
     return VllmServer(resolve_model_dir("gemma3-270m"), base / name / "traces", base / f"{name}.log",
-                      speculative=False, extra_args=[*SERVER_ARGS, *extra_args], extra_env=extra_env).start()
+                      speculative=False, extra_args=[*SERVER_ARGS, *extra_args], extra_env=extra_env)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     require_vllm()
     base = tmp_path_factory.mktemp("vllm-windows")
-    chunked = _server(base, "chunked", [])
-    whole = None
+    chunked, whole = start_side_by_side(_server(base, "chunked", []),
+                                        _server(base, "whole", ["--max-num-batched-tokens", "1024"]))
     try:
-        whole = _server(base, "whole", ["--max-num-batched-tokens", "1024"])
         yield {"chunked": chunked, "whole": whole}
     finally:
         chunked.stop()
-        if whole is not None:
-            whole.stop()
+        whole.stop()
 
 
 def _wait(server: VllmServer, responses: list[dict]) -> dict[str, dict]:

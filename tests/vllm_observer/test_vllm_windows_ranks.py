@@ -23,7 +23,7 @@ def ranks_traffic(tmp_path_factory, gemma):
     # four processes share the cores: a worker's importance result can come seconds after its request finished
     server = _server(tmp_path_factory.mktemp("vllm-windows-dp"), "dp",
                      ["--data-parallel-size", "2", "--api-server-count", "2"],
-                     extra_env={"SPARSEETY_IMPORTANCE_WAIT_S": "60"})
+                     extra_env={"SPARSEETY_IMPORTANCE_WAIT_S": "60"}).start()
     try:
         responses: list[dict] = []
         stored: dict[str, dict] = {}

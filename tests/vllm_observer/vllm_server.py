@@ -67,6 +67,21 @@ class VllmServer(_Launcher):
             time.sleep(1)
 
 
+def start_side_by_side(*servers: VllmServer, timeout: float = 600) -> tuple[VllmServer, ...]:
+    """Launch every server at once, then wait for each: their starts overlap (much of a start is one process
+    importing at a time), and no test runs until all are ready. One that fails stops them all."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready(timeout)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def wait_for_vllm_rows(trace_dir: Path, expected: int, timeout: float = 60.0) -> int:
     """Wait until ``trace_dir`` holds ``expected`` vLLM request rows (the observer writes them after the
     answers go out) or ``timeout`` seconds pass; the number stored."""
