@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_server import VllmServer, require_vllm, start_side_by_side
+from vllm_server import VllmServer, require_vllm, side_by_side
 
 pytestmark = pytest.mark.model
 
@@ -112,12 +112,8 @@ def servers(tmp_path_factory, fault_file):
     other = tmp_path_factory.mktemp("no-eviction")
     plain = VllmServer(resolve_model_dir("smollm2-135m"), other / "traces", other / "vllm.log", speculative=False,
                        extra_env={"SPARSEETY_KV_POLCY": "tova"})
-    start_side_by_side(evicting, plain)
-    try:
+    with side_by_side(evicting, plain):
         yield evicting, plain
-    finally:
-        evicting.stop()
-        plain.stop()
 
 
 @pytest.fixture(scope="module")

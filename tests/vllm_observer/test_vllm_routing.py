@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm_server import VllmServer, require_vllm, start_side_by_side, wait_for_vllm_rows
+from vllm_server import VllmServer, require_vllm, side_by_side, wait_for_vllm_rows
 
 from sparseety.store import connect
 from sparseety.store.reader import load_trace
@@ -46,12 +46,8 @@ def servers(tmp_path_factory):
                      extra_env=env)
     two = VllmServer(resolve_model_dir("smollm2-moe"), api / "traces", api / "vllm.log", speculative=False,
                      extra_env=env, extra_args=["--api-server-count", "2"])
-    start_side_by_side(one, two)
-    try:
+    with side_by_side(one, two):
         yield one, two
-    finally:
-        one.stop()
-        two.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from test_vllm_importance import TOP, assert_same_ranking
-from vllm_server import VllmServer, require_vllm, start_side_by_side
+from vllm_server import VllmServer, require_vllm, side_by_side
 
 from sparseety.store import connect
 
@@ -44,13 +44,9 @@ def _server(base, name: str, extra_args: list[str], extra_env: dict[str, str] | 
 def servers(tmp_path_factory):
     require_vllm()
     base = tmp_path_factory.mktemp("vllm-windows")
-    chunked, whole = start_side_by_side(_server(base, "chunked", []),
-                                        _server(base, "whole", ["--max-num-batched-tokens", "1024"]))
-    try:
+    with side_by_side(_server(base, "chunked", []),
+                      _server(base, "whole", ["--max-num-batched-tokens", "1024"])) as (chunked, whole):
         yield {"chunked": chunked, "whole": whole}
-    finally:
-        chunked.stop()
-        whole.stop()
 
 
 def _wait(server: VllmServer, responses: list[dict]) -> dict[str, dict]:

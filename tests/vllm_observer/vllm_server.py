@@ -8,8 +8,10 @@ its tests the ``vllm`` marker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,19 +69,19 @@ class VllmServer(_Launcher):
             time.sleep(1)
 
 
-def start_side_by_side(*servers: VllmServer, timeout: float = 600) -> tuple[VllmServer, ...]:
-    """Launch every server at once, then wait for each: their starts overlap (much of a start is one process
-    importing at a time), and no test runs until all are ready. One that fails stops them all."""
+@contextlib.contextmanager
+def side_by_side(*servers: VllmServer, timeout: float = 600) -> Iterator[tuple[VllmServer, ...]]:
+    """Launch every server at once, wait for each, hand them over and stop them all at the end: their starts
+    overlap (much of a start is one process importing at a time), and no test runs until all are ready."""
     try:
         for server in servers:
             server.launch()
         for server in servers:
             server.wait_ready(timeout)
-    except BaseException:
+        yield servers
+    finally:
         for server in servers:
             server.stop()
-        raise
-    return servers
 
 
 def wait_for_vllm_rows(trace_dir: Path, expected: int, timeout: float = 60.0) -> int:
