@@ -22,7 +22,6 @@ counted in :attr:`RequestTable.dropped`. The finisher takes a request's entries 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -142,7 +141,7 @@ class RequestTable:
 class SchedulerConsumer:
     """The inbox of this API server's scheduler channel, filling a :class:`RequestTable`."""
 
-    def __init__(self, channel: str, table: RequestTable, stop: threading.Event | None = None) -> None:
+    def __init__(self, channel: str, table: RequestTable) -> None:
         self.channel = channel
         self.table = table
         self.inbox = WireInbox(channel, table.handlers(), name="scheduler")
