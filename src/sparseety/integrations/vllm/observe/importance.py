@@ -77,11 +77,6 @@ class ImportanceInbox:
         self.inbox = WireInbox(self.endpoint, {CaptureStart: self.on_start, ImportanceResult: self.on_result},
                                name="importance", hwm=1000, start=start)
 
-    @property
-    def bad(self) -> int:
-        """Frames counted and dropped: an unknown kind or version, a bad layout, a failed handler."""
-        return sum(v for k, v in self.inbox.counts.items() if k != "received")
-
     def on_start(self, messages: list[CaptureStart]) -> None:
         for m in messages:
             self._put(self.started, m.req_id, time.monotonic())

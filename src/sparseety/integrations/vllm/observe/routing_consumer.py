@@ -116,11 +116,6 @@ class RoutingConsumer:
         self.inbox = WireInbox(self.endpoint, {MoeShape: self.on_moe, RouteResult: self.on_route},
                                name="routing", hwm=1000) if self.endpoint else None
 
-    @property
-    def bad(self) -> int:
-        """Frames counted and dropped: an unknown kind or version, a bad layout, a failed handler."""
-        return sum(v for k, v in self.inbox.counts.items() if k != "received") if self.inbox else 0
-
     # -- receiving -------------------------------------------------------------------------------------------
     def on_moe(self, messages: list[MoeShape]) -> None:
         self.moe = messages[-1]
