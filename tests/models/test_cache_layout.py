@@ -7,7 +7,10 @@ the tied tensor under ``model.embed_tokens.weight``; older SparSEEty caches had 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,13 +63,26 @@ def _write_old_layout(current: Path, old: Path) -> None:
     (old / "config.json").write_text(json.dumps(config, indent=2))
 
 
+#: run in two processes at once: the directory the default model resolves to and its inode once resolved
+RESOLVE = ("import os; from sparseety.models.registry import resolve_model_dir; "
+           "d = resolve_model_dir('smollm2-135m'); print(d, os.stat(d).st_ino)")
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, monkeypatch_module):
-    """The default model converted from its GGUF file by the current code, into an empty cache."""
+    """The default model converted from its GGUF file by the current code, into an empty cache, asked for by two
+    processes at once (as test workers and a server's processes do): both get the one directory the first
+    built, never replaced by the second's conversion under it."""
     root = tmp_path_factory.mktemp("cache")
+    env = {**os.environ, "SPARSEETY_CACHE": str(root)}
+    procs = [subprocess.Popen([sys.executable, "-c", RESOLVE], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    answers = [proc.communicate(timeout=600)[0].split() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    folder = Path(answers[0][0])
+    assert answers[0] == answers[1] == [str(folder), str(os.stat(folder).st_ino)]
     monkeypatch_module.setenv("SPARSEETY_CACHE", str(root))
-    folder = Path(resolve_model_dir("smollm2-135m"))
-    assert folder.is_relative_to(root)
+    assert Path(resolve_model_dir("smollm2-135m")) == folder and folder.is_relative_to(root)
     yield folder
     shutil.rmtree(root, ignore_errors=True)  # 0.5 GB per copy: not left for pytest's kept temp dirs
 

@@ -123,6 +123,37 @@ _BUILTIN: dict[str, BuiltinModel] = {
 }
 
 
+def _ready(target: Path) -> bool:
+    return (target / "model.safetensors").is_file() and not needs_migration(target)
+
+
+def _prepared(builtin: BuiltinModel) -> Path:
+    """``builtin``'s converted directory, built (converted, upcycled or migrated) the first time. Processes that
+    ask at once (test workers, a server's processes) take turns on a lock file beside it: one builds, the
+    others find it ready, and none removes a directory another is reading."""
+    from filelock import FileLock
+
+    target = builtin.cache_dir()
+    if _ready(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.with_name(f".{target.name}.lock"))):
+        if _ready(target):  # another process built it while this one waited
+            return target
+        if builtin.upcycled_from is not None:
+            from sparseety.models.upcycle import upcycle
+
+            upcycle(Path(resolve_model_dir(builtin.upcycled_from)), target)
+        elif (target / "model.safetensors").is_file():  # written by an older version: fix it in place
+            migrate_cache(target)
+        else:
+            source = builtin.gguf_dir()
+            convert_gguf(source, builtin.gguf_file, target)
+            if builtin.assembled:  # the joined file is a copy of the chunk packages: keep only the conversion
+                (source / builtin.gguf_file).unlink(missing_ok=True)
+    return target
+
+
 def list_models() -> list[BuiltinModel]:
     """The built-in models, by name."""
     return list(_BUILTIN.values())
@@ -131,23 +162,8 @@ def list_models() -> list[BuiltinModel]:
 def resolve_model_dir(name_or_path: str) -> str:
     """Return a directory or Hugging Face id that ``from_pretrained`` can load, converting GGUF once."""
     builtin = _BUILTIN.get(name_or_path)
-    if builtin is not None and builtin.upcycled_from is not None:
-        target = builtin.cache_dir()
-        if not (target / "model.safetensors").is_file():
-            from sparseety.models.upcycle import upcycle
-
-            upcycle(Path(resolve_model_dir(builtin.upcycled_from)), target)
-        return str(target)
     if builtin is not None:
-        target = builtin.cache_dir()
-        if not (target / "model.safetensors").is_file():
-            source = builtin.gguf_dir()
-            convert_gguf(source, builtin.gguf_file, target)
-            if builtin.assembled:  # the joined file is a copy of the chunk packages: keep only the conversion
-                (source / builtin.gguf_file).unlink(missing_ok=True)
-        elif needs_migration(target):  # written by an older version: fix it in place, keep the weights
-            migrate_cache(target)
-        return str(target)
+        return str(_prepared(builtin))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
