@@ -1,9 +1,12 @@
 """Moving one request's kept K/V inside vLLM's paged KV cache, in place (the worker's side of eviction).
 
-A layer's cache is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; how one token's key and value lie
-inside a block's ``2 * block_size * head_dim`` values depends on the kernel (vLLM's CPU ``vec`` kernel stores
-keys column-major and values row-major). :func:`probe_layout` finds out by writing known keys and values with
-the kernel's own cache writer, so the gather never assumes a layout: if the probe cannot tell, eviction is off.
+Everything here addresses vLLM's logical KV view of one layer, (block, KV head, slot, channel), channels
+``0..head_dim-1`` the key and ``head_dim..2*head_dim-1`` the value, through a :class:`BlockLayout`: the flat
+element offset of each logical entry in the layer's cache tensor (:func:`flat`). Which layout a layer's cache
+has is found once per KV-cache group (:func:`.kv_layouts.pick_layout`): from the tensor's strides for the CUDA
+backends' layouts, and for vLLM's CPU kernel, whose block interior is its own (keys column-major, values
+row-major), by :func:`probe_layout`, which writes known keys and values with the kernel's own cache writer. If
+no layout fits, eviction is off.
 
 :func:`compact` keeps ``kept`` of a request's ``physical`` slots: kept slots below ``kept`` stay where they are
 and kept slots at or past ``kept`` fill the holes the evicted ones left (one-slot eviction moves one token per
@@ -24,14 +27,42 @@ CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """``index[t, c]``: where in a block's flat ``2 * block_size * head_dim`` values (per KV head) token slot
-    ``t``'s channel ``c`` lies; channels ``0..head_dim-1`` are the key, ``head_dim..`` the value."""
+    """Where vLLM's logical KV view of one layer lies in its cache tensor: block ``b``'s KV head ``h``'s slot
+    ``t``, channel ``c`` (``0..head_dim-1`` the key, ``head_dim..`` the value) is element
+    ``b * block_stride + h * head_stride + index[t, c]`` of :func:`flat` ``(cache)``.
+
+    ``block_stride`` and ``head_stride`` 0 are those of a contiguous ``[num_blocks, heads, block_size,
+    2 * head_dim]`` cache (vLLM's CPU one: ``index`` is then the probed place inside one block and KV head's
+    ``2 * block_size * head_dim`` values); ``heads`` 0 is the cache tensor's dimension 1."""
 
     index: torch.Tensor  # [block_size, 2 * head_dim] int64
+    block_stride: int = 0
+    head_stride: int = 0
+    heads: int = 0
+    name: str = "probed"  #: which layout, for messages
 
     @property
     def block_size(self) -> int:
         return int(self.index.shape[0])
+
+    def strides(self, heads: int) -> tuple[int, int]:
+        """``(block_stride, head_stride)`` in elements, for a cache of ``heads`` KV heads."""
+        head = self.head_stride or self.block_size * int(self.index.shape[1])
+        return self.block_stride or heads * head, head
+
+    def kv_heads(self, kv: torch.Tensor) -> int:
+        """The KV heads of the cache ``kv`` laid out this way."""
+        return self.heads or int(kv.shape[1])
+
+
+def flat(kv: torch.Tensor) -> torch.Tensor:
+    """One layer's cache as the 1-D run of memory its elements span, from its first element: a view (writes land
+    in the cache) that :class:`BlockLayout` offsets index, whatever the tensor's strides (a permuted view, a
+    layer interleaved with others in one buffer)."""
+    if kv.is_contiguous():
+        return kv.view(-1)
+    span = 1 + sum((n - 1) * s for n, s in zip(kv.shape, kv.stride()))
+    return kv.as_strided((span,), (1,), kv.storage_offset())
 
 
 def split(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +101,11 @@ def probe_layout(write: CacheWriter, heads: int, block_size: int, head_dim: int,
 
 def fill_holes(keep: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(src, dst)`` slots ``[..., m]`` that put the kept slots ``keep`` ``[..., kept]`` (any order) of each row
-    into slots ``0..kept-1``: kept slots past ``kept`` move into the holes below it, in order. Rows that move
-    fewer than ``m`` (the most any row moves) are padded with copies of a kept slot onto itself."""
+    into slots ``0..kept-1``: kept slots past ``kept`` move into the holes below it, in order. In each row the
+    moves come in ascending order of destination (the lowest hole first), their sources ascending too; every
+    source is at or past ``kept`` and every destination below it, so no move reads a slot another one writes.
+    Rows that move fewer than ``m`` (the most any row moves) are padded, after their moves, with copies of a
+    kept slot onto itself."""
     lead = keep.shape[:-1]
     keep = keep.reshape(-1, keep.shape[-1]).sort(dim=-1).values  # [R, kept]
     low = keep < kept
@@ -89,28 +123,30 @@ def fill_holes(keep: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tenso
 
 def slot_index(block_ids: torch.Tensor, slots: torch.Tensor, layout: BlockLayout, heads: int,
                values: bool | None = None) -> torch.Tensor:
-    """Flat indices ``[H, m, C]`` into one layer's cache ``[num_blocks, H, block_size, 2D]`` (read as one flat
-    tensor, :func:`torch.take`) of token ``slots`` (``[m]`` for every KV head, or ``[H, m]``) of the request whose
+    """Flat indices ``[H, m, C]`` into one layer's cache (its :func:`flat` view, read with :func:`torch.take`) of
+    token ``slots`` (``[m]`` for every KV head, or ``[H, m]``) of the request whose
     blocks are ``block_ids``: the key channels (``values`` False), the value channels (True) or both (None, C = 2D).
     The same for every layer of a KV-cache group, so computed once per compaction or forward."""
     size, d = layout.block_size, layout.index.shape[1] // 2
     index = layout.index.to(slots.device)
     channels = index if values is None else index[:, d:] if values else index[:, :d]  # [size, C]
     slots = slots.reshape(-1, slots.shape[-1])  # [1 or H, m]
-    rows = block_ids.to(slots.device)[slots // size] * heads + torch.arange(heads, device=slots.device)[:, None]
-    return rows[..., None] * (size * 2 * d) + channels[slots % size]
+    block_stride, head_stride = layout.strides(heads)
+    rows = (block_ids.to(slots.device)[slots // size] * block_stride
+            + torch.arange(heads, device=slots.device)[:, None] * head_stride)
+    return rows[..., None] + channels[slots % size]
 
 
 def move_slots(kv: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                layout: BlockLayout) -> None:
     """Copy token slots ``src`` to ``dst`` (``[m]`` for every KV head, or ``[H, m]`` one row per head) of one
-    request in one layer's cache ``kv`` ``[num_blocks, H, block_size, 2D]``, through its ``block_ids`` [n_blocks]."""
+    request in one layer's cache ``kv`` (laid out as ``layout``), through its ``block_ids`` [n_blocks]."""
     if src.numel() == 0:
         return
-    heads = kv.shape[1]
+    heads, memory = layout.kv_heads(kv), flat(kv)
     src, dst = src.to(kv.device), dst.to(kv.device)
-    values = torch.take(kv, slot_index(block_ids, src, layout, heads))  # read all, then write
-    kv.put_(slot_index(block_ids, dst, layout, heads), values)
+    values = torch.take(memory, slot_index(block_ids, src, layout, heads))  # read all, then write
+    memory.put_(slot_index(block_ids, dst, layout, heads), values)
 
 
 def compact(kvs: list[torch.Tensor], block_ids: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor],
@@ -141,5 +177,5 @@ def read_slots(kv: torch.Tensor, block_ids: torch.Tensor, n: int, layout: BlockL
     """The keys (or ``values``) ``[H, n, D]`` of one request's first ``n`` slots in one layer's cache ``kv``
     (``index``: their :func:`slot_index`, when the caller computed it for the group's other layers)."""
     if index is None:
-        index = slot_index(block_ids, torch.arange(n, device=kv.device), layout, kv.shape[1], values)
-    return torch.take(kv, index)
+        index = slot_index(block_ids, torch.arange(n, device=kv.device), layout, layout.kv_heads(kv), values)
+    return torch.take(flat(kv), index)

@@ -3,7 +3,7 @@
 Per forward (``_model_forward``), :meth:`WorkerEviction.plan` finds the rows of each evicting request; inside the
 attention backend's ``forward`` of every layer, :meth:`WorkerEviction.layer` hands them to the request's
 :class:`~.slots.EvictingRequest`, which scores the slots it holds with the own engine's policy, reading
-keys (and values) out of vLLM's cache through the probed layout; a policy that reads the hidden states entering
+keys (and values) out of vLLM's cache through the group's layout; a policy that reads the hidden states entering
 attention (``kvzap``) gets its rows from a forward pre-hook on the layer's attention block
 (:meth:`WorkerEviction.take_hidden`). Before a step's inputs are prepared
 (``_update_states``), :meth:`WorkerEviction.before_update` carries out the scheduler's orders: the kept slots of
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from sparseety.integrations.vllm.vllm_api import adapter
-from sparseety.integrations.vllm.evict.compaction import BlockLayout, compact, probe_layout, read_slots, slot_index
+from sparseety.integrations.vllm.evict.compaction import BlockLayout, compact, read_slots, slot_index
+from sparseety.integrations.vllm.evict.kv_layouts import group_layout
 from sparseety.integrations.vllm.evict.orders import Compaction, StepOrders, StepReport
 from sparseety.integrations.vllm.vllm_api.wire_messages import EvictedSlots
 from sparseety.integrations.vllm.evict.settings import EvictionSettings, checkpoint_model
@@ -45,7 +46,7 @@ def _tensors(block_lists: list[list[int]]) -> list[torch.Tensor]:
 
 
 class WorkerEviction:
-    """The worker process's evicting requests, the layers' caches and their probed layout."""
+    """The worker process's evicting requests, the layers' caches and their layouts."""
 
     def __init__(self, settings: EvictionSettings) -> None:
         self.settings = settings
@@ -66,23 +67,22 @@ class WorkerEviction:
 
     # -- the model's layers --------------------------------------------------------------------------------
     def ensure_layers(self, runner: Any) -> None:
-        """Read the layers' caches and probe each group's layout (once)."""
+        """Read the layers' caches and find each group's layout (once; :func:`.kv_layouts.group_layout`)."""
         if self.groups is not None:
             return
         groups = adapter.group_caches(runner)
         names = adapter.group_layer_names(runner)
         for g, (caches, block_size, layer) in enumerate(groups):
+            backend, heads, head_dim = adapter.layer_kv_shape(layer)
             write = None if layer is None else adapter.cache_writer(layer)
-            kv = caches[0]
-            layout = None if write is None else probe_layout(write, kv.shape[1], block_size, kv.shape[3] // 2, kv.dtype)
+            layout, reason = group_layout(caches, block_size, backend, heads, head_dim, write)
             if layout is None:
-                raise RuntimeError(f"the KV-cache layout of {type(getattr(layer, 'impl', None)).__name__} could not "
-                                   "be probed")
+                raise RuntimeError(f"the KV-cache layout of {backend} cannot be evicted in: {reason}")
             self.layouts.append(layout)
             for i, name in enumerate(names[g]):
                 self.layer_index[name] = len(self.layer_slots)
                 self.layer_slots.append((g, i))
-            self.kv_heads = int(kv.shape[1])
+            self.kv_heads = layout.kv_heads(caches[0])
         self.groups = groups
 
     def decide(self, runner: Any, rid: str) -> EvictingRequest | None:
@@ -124,7 +124,8 @@ class WorkerEviction:
             index = indices.get((g, n, values))
             if index is None:
                 slots = torch.arange(n, device=kv.device)
-                index = indices[g, n, values] = slot_index(blocks[g], slots, self.layouts[g], kv.shape[1], values)
+                index = indices[g, n, values] = slot_index(blocks[g], slots, self.layouts[g],
+                                                            self.layouts[g].kv_heads(kv), values)
             return read_slots(kv, blocks[g], n, self.layouts[g], values, index)
         return read
 

@@ -106,6 +106,15 @@ def request_extra_args(request: Any) -> dict[str, Any]:
     return dict(getattr(params, "extra_args", None) or {})
 
 
+def layer_kv_shape(layer: Any) -> tuple[str, int | None, int | None]:
+    """The attention backend impl class name of ``layer``, its KV heads and head size (None where the impl does
+    not say), for :func:`.evict.kv_layouts.pick_layout`."""
+    impl = getattr(layer, "impl", None)
+    heads, head_size = getattr(impl, "num_kv_heads", None), getattr(impl, "head_size", None)
+    return (type(impl).__name__, None if heads is None else int(heads),
+            None if head_size is None else int(head_size))
+
+
 def cache_writer(layer: Any) -> Any:
     """The CPU kernel's cache writer for ``layer`` (``key, value, key_cache, value_cache, slots``), or None
     on another attention backend."""
